@@ -1,0 +1,1 @@
+"""Tool subcommands of the ``posttrain`` CLI that are not recipes."""

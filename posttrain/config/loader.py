@@ -1,0 +1,207 @@
+"""Load a typed config from YAML plus dotted overrides, and fail loudly with the fix in the message.
+
+Every error names where the bad value came from (``file:line`` or the command-line override),
+the dotted key, and what to do: an unknown key names the nearest valid key, a wrong type names
+the expected type. Nothing is silently dropped: models forbid extra keys.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+
+class StrictModel(BaseModel):
+    """Base for every config section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+
+class ConfigError(ValueError):
+    """One or more problems with a config; ``str()`` lists them one per line."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+Override = tuple[tuple[str, ...], Any, str]  # (dotted path, parsed value, original text)
+
+
+def parse_overrides(items: list[str]) -> list[Override]:
+    """Parse ``a.b.c=value`` items; the value is read as YAML (``3e-4`` → float, ``[a, b]`` → list)."""
+    parsed: list[Override] = []
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError([f"command line: `{item}`: expected key=value, e.g. train.lr=3e-4"])
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        # YAML 1.1 reads 3e-4 as a string; users mean a number.
+        if isinstance(value, str):
+            try:
+                value = float(value) if any(c in value for c in ".eE") else value
+            except ValueError:
+                pass
+        parsed.append((tuple(key.strip().split(".")), value, item))
+    return parsed
+
+
+def _line_map(node: yaml.Node, prefix: tuple[str, ...], out: dict[tuple[str, ...], int]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        for key_node, value_node in node.value:
+            path = prefix + (str(key_node.value),)
+            out[path] = key_node.start_mark.line + 1
+            _line_map(value_node, path, out)
+    elif isinstance(node, yaml.SequenceNode):
+        for index, child in enumerate(node.value):
+            path = prefix + (str(index),)
+            out[path] = child.start_mark.line + 1
+            _line_map(child, path, out)
+
+
+def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
+    """Read a YAML mapping and the line of every key in it."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        data = yaml.safe_load(text) or {}
+        node = yaml.compose(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}" if mark else str(path)
+        raise ConfigError([f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+    if not isinstance(data, dict):
+        raise ConfigError([f"{path}: the top level must be a mapping of keys to values"])
+    lines: dict[tuple[str, ...], int] = {}
+    if node is not None:
+        _line_map(node, (), lines)
+    return data, lines
+
+
+def _set_dotted(data: dict[str, Any], path: tuple[str, ...], value: Any) -> None:
+    cursor = data
+    for part in path[:-1]:
+        nxt = cursor.get(part)
+        if not isinstance(nxt, dict):
+            nxt = {}
+            cursor[part] = nxt
+        cursor = nxt
+    cursor[path[-1]] = value
+
+
+def _model_in(annotation: Any) -> type[BaseModel] | None:
+    """The BaseModel class inside an annotation such as ``Foo``, ``Foo | None`` or ``list[Foo]``."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType, list, tuple, dict, typing.Annotated):
+        for arg in typing.get_args(annotation):
+            found = _model_in(arg)
+            if found is not None:
+                return found
+    return None
+
+
+def _model_at(schema: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = schema
+    for part in loc:
+        if model is None:
+            return None
+        if isinstance(part, int) or part not in model.model_fields:
+            continue  # list index or a union tag: stay on the same model
+        model = _model_in(model.model_fields[part].annotation)
+    return model
+
+
+def _where(path: tuple[str, ...], source: str | None, lines: dict, overrides: dict) -> str:
+    for cut in range(len(path), 0, -1):
+        if path[:cut] in overrides:
+            return f"command line `{overrides[path[:cut]]}`"
+        if path[:cut] in lines and source:
+            return f"{source}:{lines[path[:cut]]}"
+    return source or "config"
+
+
+def _describe(error: dict, schema: type[BaseModel], where: str) -> str:
+    loc = tuple(str(p) for p in error["loc"] if not str(p).startswith("function-"))
+    dotted = ".".join(loc) or "(top level)"
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        parent = _model_at(schema, tuple(error["loc"][:-1]))
+        valid = sorted(parent.model_fields) if parent else []
+        guess = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        prefix = ".".join(loc[:-1])
+        if guess:
+            hint = f"did you mean `{prefix + '.' if prefix else ''}{guess[0]}`?"
+        else:
+            hint = f"valid keys here: {', '.join(valid)}"
+        return f"{where}: `{dotted}`: unknown key; {hint}"
+    if kind == "missing":
+        return f"{where}: `{dotted}`: required key is missing"
+    message = error["msg"]
+    if kind.startswith("value_error"):
+        message = message.removeprefix("Value error, ")
+        return f"{where}: `{dotted}`: {message}"
+    got = error.get("input")
+    shown = repr(got) if not isinstance(got, dict) else "a mapping"
+    return f"{where}: `{dotted}`: {message} (got {shown})"
+
+
+def load_config(
+    schema: type[BaseModel],
+    path: str | Path | None = None,
+    overrides: list[str] | None = None,
+    data: dict[str, Any] | None = None,
+) -> BaseModel:
+    """Build ``schema`` from a YAML file (or ``data``) plus dotted overrides; raise ConfigError."""
+    lines: dict[tuple[str, ...], int] = {}
+    source = str(path) if path is not None else None
+    if path is not None:
+        data, lines = read_yaml(path)
+    data = dict(data or {})
+    parsed = parse_overrides(overrides or [])
+    override_text: dict[tuple[str, ...], str] = {}
+    for key, value, text in parsed:
+        _set_dotted(data, key, value)
+        override_text[key] = text
+    try:
+        return schema.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for error in exc.errors():
+            loc = tuple(str(p) for p in error["loc"])
+            problems.append(_describe(error, schema, _where(loc, source, lines, override_text)))
+        raise ConfigError(problems) from None
+
+
+def resolve_recipe(path: str | Path, overrides: list[str] | None = None) -> tuple[str, BaseModel]:
+    """Read the ``recipe:`` key of a YAML file and validate the file against that recipe's schema."""
+    from posttrain.config.registry import RECIPES, load_builtin_recipes
+
+    load_builtin_recipes()
+    data, lines = read_yaml(path)
+    name = data.get("recipe")
+    for key, value, _ in parse_overrides(overrides or []):
+        if key == ("recipe",):
+            name = value
+    if name not in RECIPES:
+        line = lines.get(("recipe",))
+        where = f"{path}:{line}" if line else str(path)
+        guess = difflib.get_close_matches(str(name), list(RECIPES), n=1)
+        hint = f"did you mean `{guess[0]}`?" if guess else f"one of: {', '.join(sorted(RECIPES))}"
+        raise ConfigError([f"{where}: `recipe`: unknown or missing recipe {name!r}; {hint}"])
+    return name, load_config(RECIPES[name].schema, path, overrides)
+
+
+def dump_config(config: BaseModel, path: str | Path) -> None:
+    """Write the fully resolved config (defaults included) as YAML."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), encoding="utf-8")

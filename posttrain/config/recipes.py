@@ -1,0 +1,32 @@
+"""Top-level recipe schemas. Each registers under the name its YAML gives in ``recipe:``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.loader import StrictModel
+from posttrain.config.registry import register_recipe
+from posttrain.config.sections import AlertsConfig, DataConfig, HealthConfig, ModelConfig, TrainConfig
+
+
+class SFTRecipe(StrictModel):
+    recipe: Literal["sft"] = "sft"
+    output_dir: str
+    model: ModelConfig
+    data: DataConfig = Field(default_factory=DataConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    health: HealthConfig = Field(default_factory=HealthConfig)
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTRecipe:
+        if not self.data.train:
+            raise ValueError("data.train is required for SFT: a .jsonl/.parquet file or a saved dataset")
+        if self.data.format in ("preference", "preference_conversational", "rl"):
+            raise ValueError(f"data.format={self.data.format} is not SFT data; use messages/sharegpt/alpaca/auto")
+        return self
+
+
+register_recipe("sft", SFTRecipe, "posttrain.train.sft:run_sft", "Supervised fine-tuning with a curriculum.")

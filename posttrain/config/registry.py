@@ -1,0 +1,43 @@
+"""Recipe registry: a recipe name maps to its config schema and the function that runs it.
+
+A YAML recipe names its kind in its top-level ``recipe:`` key, so ``posttrain validate`` can check
+any recipe file without being told which command it is for.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from pydantic import BaseModel
+
+
+@dataclass(frozen=True)
+class RecipeSpec:
+    name: str
+    schema: type[BaseModel]
+    runner: str  # "module:function", imported only when the recipe runs (keeps the CLI fast)
+    summary: str
+
+
+RECIPES: dict[str, RecipeSpec] = {}
+
+# Modules whose import registers recipes. Each feature registers its own recipe next to its code.
+_BUILTIN_MODULES = ("posttrain.config.recipes",)
+
+
+def register_recipe(name: str, schema: type[BaseModel], runner: str, summary: str) -> None:
+    if name in RECIPES:
+        raise ValueError(f"recipe {name!r} is already registered (by {RECIPES[name].runner})")
+    RECIPES[name] = RecipeSpec(name, schema, runner, summary)
+
+
+def load_builtin_recipes() -> None:
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(module)
+
+
+def run_recipe(name: str, config: BaseModel) -> int:
+    module_name, _, function_name = RECIPES[name].runner.partition(":")
+    runner = getattr(importlib.import_module(module_name), function_name)
+    return int(runner(config) or 0)

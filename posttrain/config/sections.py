@@ -1,0 +1,86 @@
+"""Config sections shared by the training recipes (SFT, DPO, reward model, GRPO)."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from posttrain.config.loader import StrictModel
+
+
+class ModelConfig(StrictModel):
+    path: str = Field(description="Local HF-format directory (or a hub id when the network allows).")
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    trust_remote_code: bool = False
+
+
+class DataConfig(StrictModel):
+    train: str | None = Field(default=None, description="Training data: .jsonl, .parquet or a saved HF dataset.")
+    eval: str | None = None
+    format: Literal["auto", "messages", "sharegpt", "alpaca", "preference", "preference_conversational", "rl"] = "auto"
+    on_error: Literal["raise", "quarantine"] = "raise"
+    quarantine_path: str | None = Field(
+        default=None, description="Where quarantined records go; default: <output_dir>/quarantine.jsonl."
+    )
+    packing: bool = False
+    truncation_side: Literal["right", "left"] = "right"
+    curriculum: Literal["none", "tiered", "competence"] = "none"
+    competence_start: float = Field(default=0.25, gt=0.0, le=1.0, description="c(0) for competence pacing.")
+    competence_steps: int | None = Field(
+        default=None, ge=1, description="Steps until c(t) reaches 1; default: half of the run."
+    )
+    shuffle: bool = True
+
+
+class TrainConfig(StrictModel):
+    batch_size: int = Field(default=8, ge=1, description="Per rank, in examples (or packed rows).")
+    grad_accum: int = Field(default=1, ge=1)
+    max_length: int = Field(default=512, ge=8)
+    epochs: float | None = Field(default=1.0, gt=0)
+    max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
+    lr: float = Field(default=2e-5, gt=0)
+    lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
+    warmup_steps: int = Field(default=0, ge=0)
+    min_lr_ratio: float = Field(default=0.0, ge=0.0, le=1.0)
+    weight_decay: float = Field(default=0.0, ge=0.0)
+    betas: tuple[float, float] = (0.9, 0.95)
+    max_grad_norm: float | None = Field(default=1.0, gt=0)
+    seed: int = 0
+    save_every: int | None = Field(default=None, ge=1, description="Checkpoint every N optimizer steps.")
+    keep_last: int = Field(default=2, ge=1)
+    precision: Literal["fp32", "bf16"] = "fp32"
+    cpu_offload: bool = False
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    ac_every: int = Field(default=2, ge=1, description="Selective checkpointing: every k-th block.")
+    fsdp: Literal["auto", "on", "off"] = Field(
+        default="auto", description="auto: shard with FSDP2 when world size > 1."
+    )
+    log_every: int = Field(default=1, ge=1)
+    peak_flops: float | None = Field(
+        default=None, gt=0, description="Peak FLOP/s per device for MFU; default: a guess from the device."
+    )
+    loss_chunk_size: int = Field(default=1024, ge=1, description="Tokens per output-head chunk.")
+
+    @model_validator(mode="after")
+    def _check(self) -> TrainConfig:
+        if self.epochs is None and self.max_steps is None:
+            raise ValueError("set train.epochs or train.max_steps")
+        if self.cpu_offload and self.fsdp == "off":
+            raise ValueError("train.cpu_offload needs FSDP; set train.fsdp=auto or on")
+        return self
+
+
+class HealthConfig(StrictModel):
+    enabled: bool = True
+    spike_zscore: float = Field(default=6.0, gt=0)
+    window: int = Field(default=128, ge=4, description="Steps of history for the spike z-score.")
+    min_history: int = Field(default=16, ge=2, description="No spike test before this many good steps.")
+    max_consecutive: int = Field(default=3, ge=1, description="Bad steps in a row before rolling back.")
+    max_rollbacks: int = Field(default=5, ge=0)
+
+
+class AlertsConfig(StrictModel):
+    webhook: str | None = Field(default=None, description="POST each alert as JSON to this URL.")
+    timeout_s: float = 5.0

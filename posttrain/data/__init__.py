@@ -1,0 +1,1 @@
+"""Data layer: records, format detection, readers/writers with quarantine, tokenisation, packing."""

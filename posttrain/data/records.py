@@ -1,0 +1,122 @@
+"""The three record kinds every stage reads and writes, each with a stable id.
+
+- ``SFTExample``: a chat (``messages``) whose assistant turns are the training targets.
+- ``PreferencePair``: a ``prompt`` conversation, a ``chosen`` and a ``rejected`` assistant reply, the
+  annotator's ``rationale`` (kept verbatim through the pipeline) and optional scores.
+- ``RLPrompt``: a ``prompt`` conversation plus what a verifier needs (``answer``, ``tests``).
+
+All three may carry ``tier`` (1 basic comprehension, 2 logical application, 3 complex creation), a
+numeric ``difficulty`` and free-form ``meta``. Conversions from external formats (ShareGPT, Alpaca,
+TRL preference data, …) live in ``posttrain.data.formats``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+Role = Literal["system", "user", "assistant", "tool"]
+
+
+def stable_id(payload: Any, prefix: str = "") -> str:
+    """A content hash: the same record always gets the same id, on every machine."""
+    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    return prefix + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+class _Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Message(_Record):
+    role: Role
+    content: str
+
+    @field_validator("content")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        if "\x00" in value:
+            raise ValueError("contains a NUL character")
+        return value
+
+
+def _check_conversation(messages: list[Message], name: str, need_assistant: bool) -> None:
+    if not messages:
+        raise ValueError(f"{name} is empty")
+    for index, message in enumerate(messages):
+        if message.role in ("user", "assistant") and not message.content.strip():
+            raise ValueError(f"{name}[{index}] ({message.role}) has empty content")
+    if need_assistant and not any(m.role == "assistant" for m in messages):
+        raise ValueError(f"{name} has no assistant message to learn from")
+
+
+class _Tagged(_Record):
+    id: str = ""
+    tier: int | None = Field(default=None, ge=1, le=3)
+    difficulty: float | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+
+class SFTExample(_Tagged):
+    kind: Literal["sft"] = "sft"
+    messages: list[Message]
+
+    @model_validator(mode="after")
+    def _check(self) -> SFTExample:
+        _check_conversation(self.messages, "messages", need_assistant=True)
+        if not self.id:
+            self.id = stable_id([m.model_dump() for m in self.messages], "sft-")
+        return self
+
+
+class PreferencePair(_Tagged):
+    kind: Literal["preference"] = "preference"
+    prompt: list[Message]
+    chosen: list[Message]
+    rejected: list[Message]
+    rationale: str | None = None
+    chosen_score: float | None = None
+    rejected_score: float | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> PreferencePair:
+        _check_conversation(self.prompt, "prompt", need_assistant=False)
+        _check_conversation(self.chosen, "chosen", need_assistant=True)
+        _check_conversation(self.rejected, "rejected", need_assistant=True)
+        if [m.model_dump() for m in self.chosen] == [m.model_dump() for m in self.rejected]:
+            raise ValueError("chosen and rejected are identical: the pair carries no preference")
+        if not self.id:
+            payload = [[m.model_dump() for m in part] for part in (self.prompt, self.chosen, self.rejected)]
+            self.id = stable_id(payload, "pref-")
+        return self
+
+
+class RLPrompt(_Tagged):
+    kind: Literal["rl"] = "rl"
+    prompt: list[Message]
+    answer: str | None = None
+    verifier: str | None = None
+    tests: str | None = None
+    group: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> RLPrompt:
+        _check_conversation(self.prompt, "prompt", need_assistant=False)
+        if not self.id:
+            self.id = stable_id([m.model_dump() for m in self.prompt], "rl-")
+        return self
+
+
+Record = SFTExample | PreferencePair | RLPrompt
+RECORD_KINDS: dict[str, type[_Tagged]] = {"sft": SFTExample, "preference": PreferencePair, "rl": RLPrompt}
+
+
+def user(text: str) -> Message:
+    return Message(role="user", content=text)
+
+
+def assistant(text: str) -> Message:
+    return Message(role="assistant", content=text)

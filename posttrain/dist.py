@@ -1,0 +1,72 @@
+"""The one place that knows about ranks. Everything else asks these helpers.
+
+torchrun sets RANK / WORLD_SIZE / LOCAL_RANK; a plain ``python`` run is rank 0 of 1 and never
+initialises a process group.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", "0"))
+
+
+def local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def is_main() -> bool:
+    return rank() == 0
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", local_rank())
+    return torch.device("cpu")
+
+
+def init_distributed(timeout_s: float = 1800.0) -> bool:
+    """Initialise the process group when launched by torchrun; return whether it is distributed."""
+    if dist.is_initialized():
+        return True
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return False
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank())
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    if dist.is_initialized():
+        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+    return value
+
+
+def broadcast_object(obj):
+    if not dist.is_initialized():
+        return obj
+    holder = [obj]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def destroy() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,1 @@
+"""Model loading, the tiny-model factory, and chunked log-probabilities."""

@@ -1,0 +1,47 @@
+"""Load a causal LM and its tokenizer from a local HF-format directory (or a hub id when online)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def _check_path(path: str) -> None:
+    local = Path(path)
+    looks_local = path.startswith((".", "/", "~")) or local.exists()
+    if looks_local and not (local / "config.json").exists():
+        raise FileNotFoundError(
+            f"{path}: not an HF model directory (no config.json). Build one with `posttrain model tiny {path}`"
+            " or point model.path at a saved model."
+        )
+
+
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    _check_path(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if not tokenizer.chat_template:
+        raise ValueError(f"{path}: the tokenizer has no chat template; posttrain formats chats with it")
+    return tokenizer
+
+
+def load_model(
+    path: str,
+    dtype: str = "float32",
+    attn_implementation: str = "sdpa",
+    trust_remote_code: bool = False,
+    device: str | torch.device = "cpu",
+) -> PreTrainedModel:
+    _check_path(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path,
+        dtype=DTYPES[dtype],
+        attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    return model.to(device)

@@ -1,0 +1,99 @@
+"""Per-token log-probabilities through the output head, in chunks, only where the loss needs them.
+
+A ``[batch, seq, vocab]`` float32 logits tensor is the largest activation of a small-model training
+step (for a 128k vocabulary and 8k tokens it is 4 GiB). We never build it: the final hidden states
+at loss-bearing positions are gathered first (``[N, hidden]``), then pushed through the head
+``chunk_size`` rows at a time. Each chunk runs under activation checkpointing, so the backward pass
+recomputes its logits instead of keeping them: peak extra memory is one ``[chunk, vocab]`` block.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+IGNORE_INDEX = -100
+
+
+def select_loss_positions(
+    hidden: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gather the hidden states that predict a loss-bearing label.
+
+    ``hidden[:, t]`` predicts ``labels[:, t + 1]``; positions whose next label is ``IGNORE_INDEX``
+    are dropped. Returns ``(hidden_sel [N, H], targets [N], row [N])`` where ``row`` is the batch
+    row of each selected position (for per-sequence sums).
+    """
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(shifted)
+    return hidden[:, :-1][keep], shifted[keep], rows[keep]
+
+
+def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    logits = F.linear(hidden, weight).float()
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024
+) -> torch.Tensor:
+    """``log softmax(hidden @ weight.T)[i, targets[i]]`` for each row, in float32, chunk by chunk.
+
+    Shapes: hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]`` → ``[N]``.
+    """
+    if hidden.shape[0] == 0:
+        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
+    pieces = []
+    needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    for start in range(0, hidden.shape[0], chunk_size):
+        h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
+        if needs_grad:
+            pieces.append(checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False))
+        else:
+            pieces.append(_chunk_logprobs(h, weight, t))
+    return torch.cat(pieces)
+
+
+def naive_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reference implementation over full logits ``[B, T, V]``; used by tests only."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    return logprobs[keep].gather(-1, shifted[keep].unsqueeze(-1)).squeeze(-1)
+
+
+def per_sequence_sum(values: torch.Tensor, rows: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Sum token values into their batch rows: ``[N] → [batch_size]``."""
+    out = torch.zeros(batch_size, dtype=values.dtype, device=values.device)
+    return out.index_add(0, rows, values)
+
+
+def model_token_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    chunk_size: int = 1024,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run an HF causal LM's decoder and return ``(token_logprobs [N], rows [N])`` at loss positions.
+
+    Works for architectures whose logits are ``lm_head(final_hidden)`` without scaling or soft-capping
+    (Llama, Mistral, Qwen2/3); others raise rather than return subtly wrong numbers.
+    """
+    config = getattr(model, "config", None)
+    for attr in ("final_logit_softcapping", "logit_scale"):
+        if config is not None and getattr(config, attr, None) not in (None, 1.0):
+            raise NotImplementedError(f"chunked log-probs do not support {attr} ({type(model).__name__})")
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    outputs = decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    hidden, targets, rows = select_loss_positions(outputs.last_hidden_state, labels)
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise NotImplementedError("chunked log-probs assume an output head without bias")
+    return chunked_token_logprobs(hidden, head.weight, targets, chunk_size), rows

@@ -1,0 +1,139 @@
+"""Tiny-model factory: a small Llama-architecture model with seeded random weights and a byte-level
+BPE tokenizer trained on given texts, saved in HF format and loadable by plain ``transformers``.
+
+No hub is reachable in tests or in the embedded default, so every model posttrain trains on a laptop
+starts here (or from a checkpoint this factory produced).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+BOS, EOS, PAD = "<|begin_of_text|>", "<|eot|>", "<|pad|>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
+
+# A ChatML-like template. Each turn is "<|role|>\n{content}<|eot|>\n". No {% generation %} markers:
+# posttrain computes assistant loss masks without them (posttrain.data.tokenize).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|eot|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+DEFAULT_TEXTS = (
+    "The quick brown fox jumps over the lazy dog. What is 12 plus 30? The answer is 42.",
+    "Write a list of three fruits: apple, banana, cherry. Reverse the word 'hello': olleh.",
+    "Question: which number is larger, 17 or 71? Answer: 71. Sort 3, 1, 2 to get 1, 2, 3.",
+)
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` with chat special tokens and a chat template."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = [PAD, BOS, EOS, *ROLE_TOKENS]
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(list(texts), trainer=trainer)
+    wrapped = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token=BOS,
+        eos_token=EOS,
+        pad_token=PAD,
+        additional_special_tokens=list(ROLE_TOKENS),
+    )
+    wrapped.chat_template = CHAT_TEMPLATE
+    return wrapped
+
+
+def tiny_llama_config(
+    vocab_size: int,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
+    bos_token_id: int = 1,
+    eos_token_id: int = 2,
+    pad_token_id: int = 0,
+) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size or hidden_size * 4,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+        pad_token_id=pad_token_id,
+        rms_norm_eps=1e-5,
+        initializer_range=0.02,
+    )
+
+
+def build_tiny_model(
+    output_dir: str | Path,
+    texts: Iterable[str] = DEFAULT_TEXTS,
+    vocab_size: int = 512,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_position_embeddings: int = 1024,
+    seed: int = 0,
+) -> Path:
+    """Build, seed and save a tiny Llama model plus tokenizer in HF format; return the directory."""
+    output_dir = Path(output_dir)
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    config = tiny_llama_config(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        max_position_embeddings=max_position_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.bos_token_id = tokenizer.bos_token_id
+    output_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(output_dir)
+    tokenizer.save_pretrained(output_dir)
+    return output_dir
+
+
+def count_parameters(model: torch.nn.Module, exclude_embeddings: bool = False) -> int:
+    total = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        embed = model.get_input_embeddings()
+        total -= embed.weight.numel()
+    return total

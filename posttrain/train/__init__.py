@@ -1,0 +1,1 @@
+"""The training engine: one loop shared by SFT, DPO, reward modelling and GRPO."""

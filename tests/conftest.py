@@ -1,0 +1,36 @@
+"""Shared fixtures: tiny models built on the fly (no hub), small thread counts for a 2-core CI."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+torch.set_num_threads(1)
+
+CHAT_TEXTS = [
+    "What is 12 plus 30? The answer is 42.",
+    "Reverse the word hello: olleh. Sort 3, 1, 2: 1, 2, 3.",
+    "Which is larger, 17 or 71? 71. Write three fruits: apple, banana, cherry.",
+    "Count the letters in banana: 6. Uppercase dog: DOG.",
+] * 4
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> str:
+    """A 2-layer, 64-wide Llama with a ~400-token BPE vocabulary, saved in HF format."""
+    from posttrain.models.tiny import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny") / "model"
+    return str(build_tiny_model(path, texts=CHAT_TEXTS, vocab_size=400, seed=0))
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer(tiny_model_dir):
+    from posttrain.models.load import load_tokenizer
+
+    return load_tokenizer(tiny_model_dir)
