@@ -8,17 +8,32 @@ from pydantic import Field, model_validator
 
 from posttrain.config.loader import StrictModel
 from posttrain.config.registry import register_recipe
-from posttrain.config.sections import AlertsConfig, DataConfig, HealthConfig, ModelConfig, TrainConfig
+from posttrain.config.sections import (
+    AlertsConfig,
+    DataConfig,
+    DebugConfig,
+    HealthConfig,
+    MetricsConfig,
+    ModelConfig,
+    TrainConfig,
+)
 
 
-class SFTRecipe(StrictModel):
-    recipe: Literal["sft"] = "sft"
+class TrainingRecipe(StrictModel):
+    """Fields every training recipe shares (SFT, DPO, reward model, GRPO)."""
+
     output_dir: str
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     health: HealthConfig = Field(default_factory=HealthConfig)
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    debug: DebugConfig = Field(default_factory=DebugConfig)
+
+
+class SFTRecipe(TrainingRecipe):
+    recipe: Literal["sft"] = "sft"
 
     @model_validator(mode="after")
     def _check(self) -> SFTRecipe:

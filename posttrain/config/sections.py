@@ -84,3 +84,15 @@ class HealthConfig(StrictModel):
 class AlertsConfig(StrictModel):
     webhook: str | None = Field(default=None, description="POST each alert as JSON to this URL.")
     timeout_s: float = 5.0
+
+
+class DebugConfig(StrictModel):
+    """Fault-injection drills: prove that alerts, skips and rollbacks work before a real incident."""
+
+    nan_steps: list[int] = Field(default_factory=list, description="Make the loss NaN at these steps.")
+    spike_steps: list[int] = Field(default_factory=list, description="Multiply the loss at these steps.")
+    spike_factor: float = Field(default=1000.0, gt=1.0)
+
+
+class MetricsConfig(StrictModel):
+    tensorboard: bool = Field(default=True, description="Also write TensorBoard events when it is installed.")

@@ -97,3 +97,28 @@ def model_token_logprobs(
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output head without bias")
     return chunked_token_logprobs(hidden, head.weight, targets, chunk_size), rows
+
+
+class TokenLogprobModel(torch.nn.Module):
+    """Wraps an HF causal LM so that one ``forward`` returns log-probs at loss positions.
+
+    Under FSDP2 this wrapper is the root module: its pre-forward hook gathers the embedding, final
+    norm and output head, which then stay gathered through backward, so the chunked head can use the
+    head weight directly. Export and generation use ``.lm``, the plain HF model.
+    """
+
+    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024):
+        super().__init__()
+        self.lm = lm
+        self.chunk_size = chunk_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return model_token_logprobs(
+            self.lm, input_ids, labels, attention_mask, position_ids, chunk_size=self.chunk_size
+        )
