@@ -61,11 +61,17 @@ def _as_f32(name: str, tensor: torch.Tensor | None, like: torch.Tensor | None = 
     if tensor is None:
         raise ValueError(f"{name} is required by this loss but was None")
     if not isinstance(tensor, torch.Tensor):
-        tensor = torch.as_tensor(tensor, dtype=torch.float32, device=like.device if like is not None else None)
+        tensor = torch.as_tensor(
+            tensor, dtype=torch.float32, device=like.device if like is not None else None
+        )
     if tensor.dim() != 1:
-        raise ValueError(f"{name} must be a [batch] tensor of per-sequence values, got shape {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must be a [batch] tensor of per-sequence values, got shape {tuple(tensor.shape)}"
+        )
     if like is not None and tensor.shape != like.shape:
-        raise ValueError(f"{name} has shape {tuple(tensor.shape)} but the policy log-probs have {tuple(like.shape)}")
+        raise ValueError(
+            f"{name} has shape {tuple(tensor.shape)} but the policy log-probs have {tuple(like.shape)}"
+        )
     return tensor.float()
 
 
@@ -84,7 +90,9 @@ def _log_ratios(loss: str, pc, pr, rc, rr) -> tuple[torch.Tensor, torch.Tensor]:
     return pc - _as_f32("ref_chosen_logps", rc, pc), pr - _as_f32("ref_rejected_logps", rr, pr)
 
 
-def _lengths(loss: str, chosen_lengths, rejected_lengths, like: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _lengths(
+    loss: str, chosen_lengths, rejected_lengths, like: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     if chosen_lengths is None or rejected_lengths is None:
         raise ValueError(
             f"preference loss {loss!r} is length-normalised: pass chosen_lengths and rejected_lengths "
@@ -121,8 +129,14 @@ def dpo_sigmoid_loss(
 
 @_loss("cdpo", params=("beta", "label_smoothing"))
 def conservative_dpo_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, *,
-    beta, label_smoothing=0.0, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    beta,
+    label_smoothing=0.0,
+    **_,
 ) -> torch.Tensor:
     """Conservative DPO: ``L = −(1−ε)·log σ(β·h) − ε·log σ(−β·h)``.
 
@@ -139,8 +153,14 @@ def conservative_dpo_loss(
 
 @_loss("robust", params=("beta", "label_smoothing"))
 def robust_dpo_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, *,
-    beta, label_smoothing=0.0, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    beta,
+    label_smoothing=0.0,
+    **_,
 ) -> torch.Tensor:
     """Robust DPO (rDPO): ``L = [−(1−ε)·log σ(β·h) + ε·log σ(−β·h)] / (1 − 2ε)``.
 
@@ -177,8 +197,15 @@ def hinge_loss(
 
 @_loss("ipo", needs_lengths=True)
 def ipo_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, *,
-    beta, chosen_lengths=None, rejected_lengths=None, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    beta,
+    chosen_lengths=None,
+    rejected_lengths=None,
+    **_,
 ) -> torch.Tensor:
     """IPO: ``L = (h̄ − 1/(2β))²`` with ``h̄ = ρ_c/|y_c| − ρ_r/|y_r|`` (β is the paper's τ).
 
@@ -213,8 +240,14 @@ def apo_zero_loss(
 
 @_loss("bco_pair", params=("beta", "bco_delta"))
 def bco_pair_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps, ref_rejected_logps, *,
-    beta, bco_delta=0.0, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    *,
+    beta,
+    bco_delta=0.0,
+    **_,
 ) -> torch.Tensor:
     """BCO on pairs: ``L = −log σ(β·ρ_c − δ) − log σ(−(β·ρ_r − δ))``.
 
@@ -230,9 +263,7 @@ def bco_pair_loss(
     return -F.logsigmoid(beta * rho_c - bco_delta) - F.logsigmoid(-(beta * rho_r - bco_delta))
 
 
-def update_running_mean(
-    mean: float, count: int, values: torch.Tensor
-) -> tuple[float, int]:
+def update_running_mean(mean: float, count: int, values: torch.Tensor) -> tuple[float, int]:
     """Fold a batch of values into a running mean: returns ``(new_mean, new_count)``.
 
     For BCO's δ: call with ``values = β·cat(ρ_c, ρ_r).detach()`` (all ranks' values gathered, so
@@ -251,8 +282,16 @@ def update_running_mean(
 
 @_loss("simpo", needs_reference=False, needs_lengths=True, params=("beta", "simpo_gamma"))
 def simpo_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps=None, ref_rejected_logps=None, *,
-    beta, chosen_lengths=None, rejected_lengths=None, simpo_gamma=0.5, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps=None,
+    ref_rejected_logps=None,
+    *,
+    beta,
+    chosen_lengths=None,
+    rejected_lengths=None,
+    simpo_gamma=0.5,
+    **_,
 ) -> torch.Tensor:
     """SimPO: ``L = −log σ(β·π_c/|y_c| − β·π_r/|y_r| − γ)``; reference-free, γ = ``simpo_gamma``.
 
@@ -278,8 +317,16 @@ _MAX_MEAN_LOGP = -1e-6
 
 @_loss("orpo", needs_reference=False, needs_lengths=True, params=("orpo_lambda",))
 def orpo_loss(
-    policy_chosen_logps, policy_rejected_logps, ref_chosen_logps=None, ref_rejected_logps=None, *,
-    beta=None, chosen_lengths=None, rejected_lengths=None, orpo_lambda=0.1, **_,
+    policy_chosen_logps,
+    policy_rejected_logps,
+    ref_chosen_logps=None,
+    ref_rejected_logps=None,
+    *,
+    beta=None,
+    chosen_lengths=None,
+    rejected_lengths=None,
+    orpo_lambda=0.1,
+    **_,
 ) -> torch.Tensor:
     """ORPO: ``L = −π_c/|y_c| + λ·(−log σ(log odds(y_c) − log odds(y_r)))``; reference-free.
 
@@ -354,7 +401,9 @@ def combine_losses(
     return total
 
 
-def chosen_sft_term(chosen_nll_sums: torch.Tensor, chosen_lengths: torch.Tensor, sft_weight: float) -> torch.Tensor:
+def chosen_sft_term(
+    chosen_nll_sums: torch.Tensor, chosen_lengths: torch.Tensor, sft_weight: float
+) -> torch.Tensor:
     """Auxiliary NLL on the chosen response: ``α · NLL(y_c) / |y_c|`` per pair ``[B]``.
 
     Pang et al. 2024 ("Iterative Reasoning Preference Optimization", RPO) and Llama 3 (Dubey et

@@ -8,7 +8,9 @@ import torch.nn.functional as F
 
 def _scores(name: str, values: torch.Tensor, like: torch.Tensor | None = None) -> torch.Tensor:
     if values.dim() != 1:
-        raise ValueError(f"{name} must be a [batch] tensor of scalar rewards, got shape {tuple(values.shape)}")
+        raise ValueError(
+            f"{name} must be a [batch] tensor of scalar rewards, got shape {tuple(values.shape)}"
+        )
     if like is not None and values.shape != like.shape:
         raise ValueError(f"{name} has shape {tuple(values.shape)} but chosen_rewards has {tuple(like.shape)}")
     return values.float()
