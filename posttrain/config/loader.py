@@ -31,6 +31,8 @@ class ConfigError(ValueError):
         super().__init__("\n".join(problems))
 
 
+_YAML11_WORDS = {"on", "off", "yes", "no", "y", "n"}
+
 Override = tuple[tuple[str, ...], Any, str]  # (dotted path, parsed value, original text)
 
 
@@ -45,6 +47,9 @@ def parse_overrides(items: list[str]) -> list[Override]:
             value = yaml.safe_load(raw) if raw.strip() else ""
         except yaml.YAMLError:
             value = raw
+        # YAML 1.1 reads on/off/yes/no as booleans; on the command line they are words.
+        if raw.strip().lower() in _YAML11_WORDS:
+            value = raw.strip()
         # YAML 1.1 reads 3e-4 as a string; users mean a number.
         if isinstance(value, str):
             try:
@@ -130,6 +135,14 @@ def _where(path: tuple[str, ...], source: str | None, lines: dict, overrides: di
     return source or "config"
 
 
+def nearest_keys(key: str, valid: list[str]) -> list[str]:
+    """Closest valid key: an abbreviation by initials (``learning_rate`` → ``lr``) or by spelling."""
+    initials = "".join(part[0] for part in key.split("_") if part)
+    if len(initials) > 1 and initials in valid:
+        return [initials]
+    return difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+
+
 def _describe(error: dict, schema: type[BaseModel], where: str) -> str:
     loc = tuple(str(p) for p in error["loc"] if not str(p).startswith("function-"))
     dotted = ".".join(loc) or "(top level)"
@@ -137,7 +150,7 @@ def _describe(error: dict, schema: type[BaseModel], where: str) -> str:
     if kind == "extra_forbidden":
         parent = _model_at(schema, tuple(error["loc"][:-1]))
         valid = sorted(parent.model_fields) if parent else []
-        guess = difflib.get_close_matches(loc[-1], valid, n=1, cutoff=0.5)
+        guess = nearest_keys(loc[-1], valid)
         prefix = ".".join(loc[:-1])
         if guess:
             hint = f"did you mean `{prefix + '.' if prefix else ''}{guess[0]}`?"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.loader import StrictModel
 
@@ -62,6 +62,12 @@ class TrainConfig(StrictModel):
         default=None, gt=0, description="Peak FLOP/s per device for MFU; default: a guess from the device."
     )
     loss_chunk_size: int = Field(default=1024, ge=1, description="Tokens per output-head chunk.")
+
+    @field_validator("fsdp", mode="before")
+    @classmethod
+    def _yaml_on_off(cls, value):
+        # YAML 1.1 reads a bare on/off as a boolean.
+        return {True: "on", False: "off"}.get(value, value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _check(self) -> TrainConfig:
