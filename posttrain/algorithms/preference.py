@@ -166,7 +166,7 @@ def robust_dpo_loss(
 
     An unbiased estimate of the clean-label DPO loss when each label was flipped with known rate
     ``ε`` (= ``label_smoothing``, ``0 ≤ ε < 0.5``). Chowdhury, Kini & Natarajan 2024, "Provably
-    Robust DPO: Aligning Language Models with Noisy Feedback", eq. 9. Unlike ``cdpo`` the flipped
+    Robust DPO: Aligning Language Models with Noisy Feedback". Unlike ``cdpo`` the flipped
     term enters with a minus sign, so the loss can be negative; its gradient always widens ``h``.
     """
     _check_smoothing("robust", label_smoothing, 0.5)
@@ -251,7 +251,7 @@ def bco_pair_loss(
 ) -> torch.Tensor:
     """BCO on pairs: ``L = −log σ(β·ρ_c − δ) − log σ(−(β·ρ_r − δ))``.
 
-    Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment", eq. 9:
+    Jung et al. 2024, "Binary Classifier Optimization for Large Language Model Alignment":
     a binary classifier whose logit is the implicit reward ``β·ρ``, chosen = 1, rejected = 0, with
     the reward shift ``δ`` (``bco_delta``). The paper (and TRL) keep δ as a running mean of the
     rewards ``β·ρ`` over chosen and rejected of past batches; here δ is an explicit argument so the
@@ -295,8 +295,8 @@ def simpo_loss(
 ) -> torch.Tensor:
     """SimPO: ``L = −log σ(β·π_c/|y_c| − β·π_r/|y_r| − γ)``; reference-free, γ = ``simpo_gamma``.
 
-    Meng, Xia & Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward",
-    eq. 6. The implicit reward is the length-normalised log-likelihood ``β·π/|y|``; γ is the target
+    Meng, Xia & Chen 2024, "SimPO: Simple Preference Optimization with a Reference-Free Reward".
+    The implicit reward is the length-normalised log-likelihood ``β·π/|y|``; γ is the target
     reward margin, on the reward scale (the same γ as TRL's CPO ``simpo_gamma``, default 0.5).
     Note the paper's β is on another scale than DPO's (typically 2–10, not 0.1). The reference
     arguments are ignored. ``label_smoothing`` is not read.
