@@ -1,0 +1,299 @@
+"""The sampler shared by evaluation, rejection sampling and RL: one request type, one result type,
+interchangeable backends.
+
+``HFBackend`` runs anywhere transformers runs: a batched decode loop with a KV cache over left-padded
+prompts. ``VLLMBackend`` (``posttrain.generate.vllm_backend``) is used on GPU when vLLM is installed.
+
+Determinism: every sequence draws its randomness from its own generator seeded by
+``(params.seed, prompt index, sample index)``, so results repeat run to run and do not depend on
+``batch_size`` (greedy decoding is bit-identical across batch sizes in float32; sampled decoding is
+identical up to float noise at a bin edge).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from tqdm.auto import tqdm
+
+from posttrain.data.records import Message
+from posttrain.generate.sampling import (
+    apply_temperature,
+    filter_top_k,
+    filter_top_p,
+    greedy,
+    row_seed,
+    sample_inverse_cdf,
+)
+
+Prompt = str | list[Message] | list[dict[str, str]]
+FINISH_REASONS = ("stop", "length", "eos")
+
+
+@dataclass
+class SamplingParams:
+    """What to sample. ``temperature == 0`` means greedy (then ``top_p``/``top_k`` are ignored)."""
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_new_tokens: int = 128
+    stop: list[str] = field(default_factory=list)
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1 (got {self.n})")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (got {self.top_k}); 0 disables it")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+        if any(not s for s in self.stop):
+            raise ValueError("stop strings must be non-empty")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class Completion:
+    """One sampled continuation.
+
+    ``token_ids`` are exactly the sampled tokens (including the EOS token, or the token that completed a
+    stop string); ``text`` is their decoding without special tokens, cut before the first stop string.
+    ``finish_reason``: "eos" (the model ended its turn), "stop" (a stop string appeared) or "length"
+    (``max_new_tokens`` reached).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+
+
+@runtime_checkable
+class Backend(Protocol):
+    def generate(
+        self,
+        prompts: list[list[Message]] | list[str],
+        params: SamplingParams,
+        batch_size: int = 8,
+        progress: bool = True,
+    ) -> list[list[Completion]]:
+        """Return ``params.n`` completions for each prompt, in prompt order."""
+        ...
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    """A chat (list of messages) gets the chat template with the assistant turn opened; a string is used as is."""
+    if isinstance(prompt, str):
+        return prompt
+    messages = [m.model_dump() if isinstance(m, Message) else dict(m) for m in prompt]
+    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+
+def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
+    if isinstance(prompt, str):
+        return list(tokenizer(prompt)["input_ids"])
+    # The chat template writes its own BOS; adding special tokens again would double it.
+    return list(tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
+
+
+def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
+    """Cut ``text`` before the earliest stop string; return (text, whether one was found)."""
+    cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
+    return (text[:cut], True) if cut >= 0 else (text, False)
+
+
+class HFBackend:
+    """Batched sampling from a transformers causal LM with a KV cache.
+
+    ``model`` may be the live policy of a training loop (its train/eval mode is restored afterwards).
+    Prompts are left-padded; position ids count real tokens only, so a padded row computes what it would
+    compute alone.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, device: str | torch.device | None = None):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.device = torch.device(device) if device is not None else _model_device(model)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.eos_ids = _eos_ids(model, tokenizer)
+        forward_params = inspect.signature(model.forward).parameters
+        # transformers >= 5.x names the cache argument `cache`; earlier versions `past_key_values`.
+        self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
+        self._supports_logits_to_keep = "logits_to_keep" in forward_params
+
+    @classmethod
+    def from_path(cls, path: str | Path, dtype: str = "float32", device: str | None = None) -> HFBackend:
+        from posttrain.models.load import load_model, load_tokenizer
+
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(load_model(str(path), dtype=dtype, device=device), load_tokenizer(str(path)), device=device)
+
+    def generate(
+        self,
+        prompts: list[list[Message]] | list[str],
+        params: SamplingParams,
+        batch_size: int = 8,
+        progress: bool = True,
+    ) -> list[list[Completion]]:
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
+        for index, ids in enumerate(encoded):
+            if not ids:
+                raise ValueError(f"prompt {index} is empty after tokenization")
+        # One row per (prompt, sample); longest first so each batch holds similar lengths (less padding).
+        rows = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
+        rows.sort(key=lambda row: -len(encoded[row[0]]))
+        results: list[list[Completion | None]] = [[None] * params.n for _ in prompts]
+        was_training = getattr(self.model, "training", False)
+        self.model.eval()
+        try:
+            with torch.no_grad(), tqdm(total=len(rows), desc="generate", unit="seq", disable=not progress) as bar:
+                for start in range(0, len(rows), batch_size):
+                    chunk = rows[start : start + batch_size]
+                    completions = self._generate_batch([encoded[p] for p, _ in chunk], chunk, params)
+                    for (p, s), completion in zip(chunk, completions, strict=True):
+                        results[p][s] = completion
+                    bar.update(len(chunk))
+        finally:
+            if was_training:
+                self.model.train()
+        return results  # type: ignore[return-value]
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        kwargs = {self._cache_kwarg: cache, "use_cache": True}
+        if self._supports_logits_to_keep:
+            kwargs["logits_to_keep"] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _choose(self, logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
+        if params.greedy:
+            return greedy(logits)
+        logits = filter_top_p(filter_top_k(apply_temperature(logits, params.temperature), params.top_k), params.top_p)
+        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
+        return sample_inverse_cdf(logits, uniforms)
+
+    def _generate_batch(
+        self, prompt_ids: list[list[int]], keys: list[tuple[int, int]], params: SamplingParams
+    ) -> list[Completion]:
+        from transformers import DynamicCache
+
+        width = max(len(ids) for ids in prompt_ids)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in prompt_ids], device=self.device)
+        attention = torch.tensor(
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device, dtype=torch.long
+        )
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        generators = [torch.Generator().manual_seed(row_seed(params.seed, p, s)) for p, s in keys]
+        cache = DynamicCache(config=getattr(self.model, "config", None))
+        logits = self._forward(input_ids, attention, positions, cache)
+        next_position = positions[:, -1] + 1
+
+        generated: list[list[int]] = [[] for _ in prompt_ids]
+        finish: list[str | None] = [None] * len(prompt_ids)
+        active = list(range(len(prompt_ids)))  # batch rows (original indices) still decoding
+        for step in range(params.max_new_tokens):
+            tokens = self._choose(logits, [generators[i] for i in active], params)
+            for token, row in zip(tokens.tolist(), active, strict=True):
+                generated[row].append(token)
+                if token in self.eos_ids:
+                    finish[row] = "eos"
+                elif params.stop and cut_at_stop(self._decode(generated[row]), params.stop)[1]:
+                    finish[row] = "stop"
+                elif step == params.max_new_tokens - 1:
+                    finish[row] = "length"
+            keep = [j for j, row in enumerate(active) if finish[row] is None]
+            if not keep:
+                break
+            if len(keep) < len(active):
+                index = torch.tensor(keep, device=self.device)
+                cache.batch_select_indices(index)
+                attention, tokens, next_position = attention[index], tokens[index], next_position[index]
+                active = [active[j] for j in keep]
+            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+            logits = self._forward(tokens[:, None], attention, next_position[:, None], cache)
+            next_position = next_position + 1
+
+        completions = []
+        for row, token_ids in enumerate(generated):
+            text = self._decode([t for t in token_ids if t not in self.eos_ids])
+            text, _ = cut_at_stop(text, params.stop)
+            completions.append(Completion(text=text, token_ids=token_ids, finish_reason=finish[row] or "length"))
+        return completions
+
+    def _decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _model_device(model: Any) -> torch.device:
+    try:
+        return next(model.parameters()).device
+    except (StopIteration, AttributeError):
+        return torch.device("cpu")
+
+
+def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
+    ids: set[int] = set()
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif isinstance(configured, list | tuple):
+        ids.update(int(i) for i in configured)
+    return ids
+
+
+BACKENDS = ("hf", "vllm")
+
+
+def get_backend(
+    name: str,
+    model: Any = None,
+    tokenizer: Any = None,
+    *,
+    model_path: str | Path | None = None,
+    dtype: str = "float32",
+    device: str | None = None,
+    **options: Any,
+) -> Backend:
+    """Build a backend by name.
+
+    ``hf``: pass an in-memory ``model`` and ``tokenizer``, or a model directory (``model_path``, or a path
+    as ``model``). ``vllm``: needs a model directory and an installed vLLM (GPU); raises ImportError with
+    the install command otherwise. Extra ``options`` go to the vLLM engine.
+    """
+    if isinstance(model, str | Path):
+        model_path, model = model, None
+    if name == "hf":
+        if options:
+            raise ValueError(f"the hf backend takes no extra options (got {sorted(options)})")
+        if model is not None:
+            if tokenizer is None:
+                raise ValueError("get_backend('hf', model, tokenizer): an in-memory model needs its tokenizer")
+            return HFBackend(model, tokenizer, device=device)
+        if model_path is None:
+            raise ValueError("get_backend('hf'): give a model and tokenizer, or model_path")
+        return HFBackend.from_path(model_path, dtype=dtype, device=device)
+    if name == "vllm":
+        from posttrain.generate.vllm_backend import VLLMBackend
+
+        if model_path is None:
+            raise ValueError(
+                "the vllm backend loads weights itself: give a model directory (model_path), not an in-memory model"
+            )
+        return VLLMBackend(str(model_path), dtype=dtype, **options)
+    raise ValueError(f"unknown generation backend {name!r}; choose one of: {', '.join(BACKENDS)}")
