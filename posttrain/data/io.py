@@ -1,0 +1,359 @@
+"""Read and write record files: JSONL (also ``.json`` lines or a JSON array, ``.gz`` too), Parquet, and
+directories written by ``datasets.Dataset.save_to_disk``.
+
+Bad input never crashes without a message and never disappears. Each bad record (malformed JSON,
+invalid UTF-8, a missing or mistyped field, an empty message, identical chosen/rejected, a record of
+the wrong kind, …) either stops the read with ``DataError`` naming ``file:line``, the field and the
+reason (``on_error="raise"``, the default), or is appended to a quarantine JSONL file with its reason
+and the read goes on (``on_error="quarantine"``). The ``ReadReport`` always adds up:
+``read == accepted + quarantined``. For Parquet files and saved datasets, "line" is the 1-based row.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any, Literal
+
+import fsspec
+from tqdm import tqdm
+
+from posttrain.data.errors import DataError
+from posttrain.data.formats import (
+    FORMAT_KIND,
+    FORMATS,
+    INVALID_UTF8,
+    MALFORMED_JSON,
+    NOT_AN_OBJECT,
+    WRONG_KIND,
+    FormatError,
+    detect_format,
+    record_to_raw,
+    to_record,
+)
+from posttrain.data.records import RECORD_KINDS, Record
+
+OnError = Literal["raise", "quarantine"]
+_COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
+_EXAMPLE_LINES_PER_REASON = 5
+
+
+@dataclass
+class ReadReport:
+    """What a read did. Invariant: ``read == accepted + quarantined``.
+
+    ``reasons`` counts bad records by category; ``example_lines`` keeps the first few line numbers of
+    each category so a person can go and look. ``blank_lines`` are whitespace-only lines, which hold
+    no record and are not counted as read.
+    """
+
+    path: str
+    read: int = 0
+    accepted: int = 0
+    quarantined: int = 0
+    reasons: Counter[str] = field(default_factory=Counter)
+    formats: Counter[str] = field(default_factory=Counter)
+    kinds: Counter[str] = field(default_factory=Counter)
+    example_lines: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    blank_lines: int = 0
+    quarantine_path: str | None = None
+
+    def add_bad(self, category: str, line: int | None) -> None:
+        self.quarantined += 1
+        self.reasons[category] += 1
+        if line is not None and len(self.example_lines[category]) < _EXAMPLE_LINES_PER_REASON:
+            self.example_lines[category].append(line)
+
+    def summary(self) -> str:
+        text = f"{self.path}: read {self.read} = accepted {self.accepted} + quarantined {self.quarantined}"
+        if self.reasons:
+            text += " (" + ", ".join(f"{reason}: {count}" for reason, count in self.reasons.most_common()) + ")"
+        if self.quarantined:
+            text += f" -> {self.quarantine_path}" if self.quarantine_path else " (not saved)"
+        if self.blank_lines:
+            text += f"; {self.blank_lines} blank line(s) skipped"
+        return text
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "read": self.read,
+            "accepted": self.accepted,
+            "quarantined": self.quarantined,
+            "reasons": dict(self.reasons),
+            "formats": dict(self.formats),
+            "kinds": dict(self.kinds),
+            "example_lines": dict(self.example_lines),
+            "blank_lines": self.blank_lines,
+            "quarantine_path": self.quarantine_path,
+        }
+
+
+@dataclass
+class _BadLine:
+    """A line that could not even be parsed into an object."""
+
+    reason: str
+    category: str
+    raw: str
+
+
+# ------------------------------------------------------------------------------------------ sources
+
+
+def _suffix(path: str) -> str:
+    suffixes = [s.lower() for s in PurePosixPath(path).suffixes]
+    while suffixes and suffixes[-1] in _COMPRESSION_SUFFIXES:
+        suffixes.pop()
+    return suffixes[-1] if suffixes else ""
+
+
+def _parse_line(data: bytes) -> dict | _BadLine:
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        shown = data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
+        return _BadLine(f"invalid UTF-8 at byte {exc.start} of the line", INVALID_UTF8, shown)
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _BadLine(f"malformed JSON: {exc.msg} (column {exc.colno})", MALFORMED_JSON, text.rstrip("\r\n"))
+    if not isinstance(value, dict):
+        return _BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT, text.rstrip("\r\n"))
+    return value
+
+
+def _iter_json_lines(path: str, report: ReadReport | None) -> Iterator[tuple[int, dict | _BadLine]]:
+    # Bytes, decoded line by line: one bad byte spoils one line, not the file.
+    with fsspec.open(path, "rb", compression="infer") as handle:
+        for number, data in enumerate(handle, start=1):
+            if number == 1 and data.startswith(b"\xef\xbb\xbf"):
+                data = data[3:]
+            if not data.strip():
+                if report is not None:
+                    report.blank_lines += 1
+                continue
+            yield number, _parse_line(data)
+
+
+def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | _BadLine]]:
+    decoder = json.JSONDecoder()
+    position = text.index("[") + 1
+
+    def skip_space(at: int) -> int:
+        while at < len(text) and text[at] in " \t\r\n":
+            at += 1
+        return at
+
+    position = skip_space(position)
+    if position < len(text) and text[position] == "]":
+        return
+    while True:
+        line = text.count("\n", 0, position) + 1
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except json.JSONDecodeError as exc:
+            # Past a syntax error the element boundaries are unknown, so the rest cannot be read.
+            raise DataError(path, exc.lineno, None, f"malformed JSON: {exc.msg} (column {exc.colno}); a "
+                            "JSON array cannot be read past a syntax error") from None
+        if isinstance(value, dict):
+            yield line, value
+        else:
+            yield line, _BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT,
+                                 json.dumps(value))
+        position = skip_space(position)
+        if position < len(text) and text[position] == ",":
+            position = skip_space(position + 1)
+            continue
+        if position < len(text) and text[position] == "]":
+            return
+        line = text.count("\n", 0, position) + 1
+        raise DataError(path, line, None, "malformed JSON: expected ',' or ']' in the JSON array")
+
+
+def _iter_json_file(path: str, report: ReadReport | None) -> Iterator[tuple[int, dict | _BadLine]]:
+    """A ``.json`` file is either JSON lines or one JSON array of objects (common for Alpaca data)."""
+    with fsspec.open(path, "rb", compression="infer") as handle:
+        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
+    if not head.startswith(b"["):
+        yield from _iter_json_lines(path, report)
+        return
+    with fsspec.open(path, "rb", compression="infer") as handle:
+        data = handle.read()
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise DataError(path, data.count(b"\n", 0, exc.start) + 1, None,
+                        "invalid UTF-8 in a JSON array file (the file cannot be read)") from None
+    yield from _iter_json_array(path, text)
+
+
+def _iter_parquet(path: str) -> Iterator[tuple[int, dict]]:
+    import pyarrow.parquet as pq
+
+    row = 0
+    with fsspec.open(path, "rb") as handle:
+        for batch in pq.ParquetFile(handle).iter_batches(batch_size=1024):
+            for item in batch.to_pylist():
+                row += 1
+                yield row, item
+
+
+def _iter_saved_dataset(path: str) -> Iterator[tuple[int, dict]]:
+    try:
+        import datasets
+    except ImportError:
+        raise ImportError(f"{path}: reading a saved HF dataset needs `datasets`: "
+                          "pip install 'posttrain[datasets]'") from None
+    loaded = datasets.load_from_disk(path)
+    if isinstance(loaded, datasets.DatasetDict):
+        splits = list(loaded)
+        if len(splits) != 1:
+            raise DataError(path, None, None, f"a saved DatasetDict with splits {splits}; point at one split, "
+                            f"e.g. {path.rstrip('/')}/{splits[0]}")
+        loaded = loaded[splits[0]]
+    for index, item in enumerate(loaded, start=1):
+        yield index, item
+
+
+def _iter_source(path: str, report: ReadReport | None = None) -> Iterator[tuple[int, dict | _BadLine]]:
+    fs, local = fsspec.core.url_to_fs(path)
+    if fs.isdir(local):
+        return _iter_saved_dataset(path)
+    if not fs.exists(local):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    suffix = _suffix(path)
+    if suffix == ".parquet":
+        return _iter_parquet(path)
+    if suffix == ".json":
+        return _iter_json_file(path, report)
+    if suffix in (".jsonl", ".ndjson"):
+        return _iter_json_lines(path, report)
+    raise DataError(path, None, None, f"unsupported file type {suffix or '(no suffix)'!r}; expected .jsonl, "
+                    ".json, .parquet (optionally .gz) or a directory saved by datasets.save_to_disk")
+
+
+def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, object)`` for each non-blank line; raise ``DataError`` on a malformed line."""
+    for number, item in _iter_json_lines(str(path), None):
+        if isinstance(item, _BadLine):
+            raise DataError(str(path), number, None, item.reason)
+        yield number, item
+
+
+# ------------------------------------------------------------------------------------------ reading
+
+
+class _Quarantine:
+    """Appends bad records to a JSONL file, opened on first use so clean reads leave no empty file."""
+
+    def __init__(self, source: str, path: str | None):
+        self.source, self.path, self._handle = source, path, None
+
+    def write(self, line: int | None, error: DataError, raw: Any) -> None:
+        if self.path is None:
+            return
+        if self._handle is None:
+            self._handle = fsspec.open(self.path, "a", encoding="utf-8").open()
+        entry = {"file": self.source, "line": line, "field": error.field, "reason": error.reason, "raw": raw}
+        self._handle.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.close()
+
+
+def _convert(item: dict, fmt: str, kind: str | None) -> tuple[Record, str]:
+    used = detect_format(item) if fmt == "auto" else fmt
+    if kind is not None and FORMAT_KIND[used] != kind:
+        raise FormatError(None, f"a {FORMAT_KIND[used]!r} record (format {used!r}) where {kind!r} records "
+                          f"are expected", WRONG_KIND)
+    return to_record(item, used), used
+
+
+def read_records(
+    path: str,
+    kind: str | None = None,
+    fmt: str = "auto",
+    on_error: OnError = "raise",
+    quarantine_path: str | None = None,
+    progress: bool = True,
+) -> tuple[list[Record], ReadReport]:
+    """Read every record of ``path``; return the good ones and a ``ReadReport``.
+
+    ``kind`` (``"sft"``, ``"preference"``, ``"rl"``) makes records of another kind errors. ``fmt``
+    forces a format instead of detecting it per record. With ``on_error="quarantine"`` bad records are
+    appended to ``quarantine_path`` as ``{"file", "line", "field", "reason", "raw"}`` and the read goes
+    on; with ``quarantine_path=None`` they are only counted in the report.
+    """
+    path = str(path)
+    if kind is not None and kind not in RECORD_KINDS:
+        raise ValueError(f"unknown record kind {kind!r}; expected one of {', '.join(RECORD_KINDS)}")
+    if fmt != "auto" and fmt not in FORMATS:
+        raise ValueError(f"unknown format {fmt!r}; expected 'auto' or one of {', '.join(FORMATS)}")
+    if on_error not in ("raise", "quarantine"):
+        raise ValueError(f"on_error must be 'raise' or 'quarantine', got {on_error!r}")
+    report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None)
+    quarantine = _Quarantine(path, report.quarantine_path)
+    records: list[Record] = []
+    rows = tqdm(_iter_source(path, report), desc=f"reading {PurePosixPath(path).name}", unit=" rec",
+                disable=None if progress else True, leave=False)
+    try:
+        for line, item in rows:
+            report.read += 1
+            try:
+                if isinstance(item, _BadLine):
+                    raise FormatError(None, item.reason, item.category)
+                record, used = _convert(item, fmt, kind)
+            except FormatError as exc:
+                error = DataError(path, line, exc.field, exc.reason)
+                if on_error == "raise":
+                    raise error from None
+                report.add_bad(exc.category, line)
+                quarantine.write(line, error, item.raw if isinstance(item, _BadLine) else item)
+                continue
+            report.accepted += 1
+            report.formats[used] += 1
+            report.kinds[record.kind] += 1
+            records.append(record)
+    finally:
+        quarantine.close()
+    assert report.read == report.accepted + report.quarantined, report.summary()
+    return records, report
+
+
+# ------------------------------------------------------------------------------------------ writing
+
+
+def _parquet_row(record: Record) -> dict[str, Any]:
+    row = record_to_raw(record)
+    # Parquet needs one type per column; free-form meta would not have one, so it is stored as JSON text
+    # (read back transparently by formats.to_record).
+    if "meta" in row:
+        row["meta"] = json.dumps(row["meta"], ensure_ascii=False, sort_keys=True)
+    return row
+
+
+def write_records(path: str, records: Iterable[Record]) -> None:
+    """Write records to ``.jsonl`` (``.jsonl.gz``) or ``.parquet`` by suffix; ``read_records`` reads them back."""
+    path = str(path)
+    suffix = _suffix(path)
+    if suffix in (".jsonl", ".ndjson"):
+        with fsspec.open(path, "w", encoding="utf-8", compression="infer") as handle:
+            for record in records:
+                handle.write(json.dumps(record_to_raw(record), ensure_ascii=False) + "\n")
+    elif suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rows = [_parquet_row(record) for record in records]
+        # from_pylist takes its columns from the first row; mixed kinds need the union of all keys.
+        columns = list(dict.fromkeys(key for row in rows for key in row))
+        table = pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows])
+        with fsspec.open(path, "wb") as handle:
+            pq.write_table(table, handle)
+    else:
+        raise ValueError(f"{path}: cannot write {suffix or '(no suffix)'!r}; use .jsonl or .parquet")
