@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 
 
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
 

@@ -98,6 +98,9 @@ class DebugConfig(StrictModel):
     nan_steps: list[int] = Field(default_factory=list, description="Make the loss NaN at these steps.")
     spike_steps: list[int] = Field(default_factory=list, description="Multiply the loss at these steps.")
     spike_factor: float = Field(default=1000.0, gt=1.0)
+    crash_at_step: int | None = Field(
+        default=None, ge=0, description="SIGKILL every rank after this step's update (a node-loss drill)."
+    )
 
 
 class MetricsConfig(StrictModel):

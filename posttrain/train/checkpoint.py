@@ -147,7 +147,7 @@ def save_checkpoint(
         staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging))
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
     rank = dist.rank()
     (staging / f"trainer-rank{rank}.json").write_text(json.dumps(trainer_state, sort_keys=True))
     torch.save(rng_state(), staging / f"rng-rank{rank}.pt")
@@ -183,7 +183,7 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(info.path))
+    dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.rank()
     set_rng_state(torch.load(info.path / f"rng-rank{rank}.pt", weights_only=False))

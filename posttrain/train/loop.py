@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,7 @@ class LoopSettings:
     nan_steps: frozenset[int] = frozenset()
     spike_steps: frozenset[int] = frozenset()
     spike_factor: float = 1000.0
+    crash_at_step: int | None = None
     tensorboard: bool = True
     extra_state: dict[str, Any] = field(default_factory=dict)
 
@@ -270,6 +272,8 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
             if due and state["next_batch"] < total_steps:
                 checkpoint_now()
                 last_saved = state["next_batch"]
+            if settings.crash_at_step == batch_index:
+                os.kill(os.getpid(), signal.SIGKILL)  # node-loss drill (debug.crash_at_step)
             if preemption.agreed():
                 if last_saved != state["next_batch"]:
                     checkpoint_now()

@@ -109,6 +109,7 @@ def loop_settings(run: Run, root: torch.nn.Module, lm: torch.nn.Module) -> LoopS
         nan_steps=frozenset(config.debug.nan_steps),
         spike_steps=frozenset(config.debug.spike_steps),
         spike_factor=config.debug.spike_factor,
+        crash_at_step=config.debug.crash_at_step,
         tensorboard=config.metrics.tensorboard,
     )
 
