@@ -21,6 +21,7 @@ import os
 import random
 import shutil
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,14 @@ def _fsync_tree(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+@contextmanager
+def _quiet_single_process():
+    # DCP warns that it "assumes the intent is to save in a single process" — which is exactly our intent.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def rng_state() -> dict[str, Any]:
@@ -147,7 +156,8 @@ def save_checkpoint(
         staging.mkdir(parents=True, exist_ok=True)
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
+    with _quiet_single_process():
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
     rank = dist.rank()
     (staging / f"trainer-rank{rank}.json").write_text(json.dumps(trainer_state, sort_keys=True))
     torch.save(rng_state(), staging / f"rng-rank{rank}.pt")
@@ -183,7 +193,8 @@ def load_checkpoint(
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
-    dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
+    with _quiet_single_process():
+        dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rank = dist.rank()
     set_rng_state(torch.load(info.path / f"rng-rank{rank}.pt", weights_only=False))

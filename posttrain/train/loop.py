@@ -228,25 +228,6 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
             optimizer.zero_grad(set_to_none=True)
             state["next_batch"] = batch_index + 1
 
-            if verdict.rollback:
-                if state["rollbacks"] >= settings.max_rollbacks:
-                    settings.alerts.emit("aborted", step=batch_index, reason="too many rollbacks")
-                    raise RuntimeError(f"health guard: {state['rollbacks']} rollbacks already; stopping at step {batch_index}")
-                info = latest_valid_checkpoint(ckpt_root)
-                skip = sorted(set(state["skip"]) | set(bad_streak))
-                rollbacks = state["rollbacks"] + 1
-                if info is None:
-                    settings.alerts.emit("rollback_unavailable", step=batch_index, skipped_batches=bad_streak)
-                    state["skip"], state["rollbacks"] = skip, rollbacks
-                else:
-                    state = load_checkpoint(info, model, optimizer)
-                    settings.health.load(state["health"])
-                    state["skip"], state["rollbacks"] = skip, rollbacks
-                    settings.alerts.emit("rollback", step=batch_index, to_step=info.step, skipped_batches=bad_streak)
-                    sink.bar.n = state["next_batch"] if sink.bar is not None else 0
-                bad_streak.clear()
-                continue
-
             elapsed = time.perf_counter() - started
             if batch_index % settings.log_every == 0 or state["next_batch"] == total_steps:
                 tokens, loss_tokens = objective.token_counts(global_units)
@@ -268,6 +249,25 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
             else:
                 sink.skip()
 
+            if verdict.rollback:
+                if state["rollbacks"] >= settings.max_rollbacks:
+                    settings.alerts.emit("aborted", step=batch_index, reason="too many rollbacks")
+                    raise RuntimeError(f"health guard: {state['rollbacks']} rollbacks already; stopping at step {batch_index}")
+                info = latest_valid_checkpoint(ckpt_root)
+                skip = sorted(set(state["skip"]) | set(bad_streak))
+                rollbacks = state["rollbacks"] + 1
+                if info is None:
+                    settings.alerts.emit("rollback_unavailable", step=batch_index, skipped_batches=bad_streak)
+                    state["skip"], state["rollbacks"] = skip, rollbacks
+                else:
+                    state = load_checkpoint(info, model, optimizer)
+                    settings.health.load(state["health"])
+                    state["skip"], state["rollbacks"] = skip, rollbacks
+                    settings.alerts.emit("rollback", step=batch_index, to_step=info.step, skipped_batches=bad_streak)
+                    sink.rewind(state["next_batch"])
+                bad_streak.clear()
+                continue
+
             due = settings.save_every and state["next_batch"] % settings.save_every == 0
             if due and state["next_batch"] < total_steps:
                 checkpoint_now()
@@ -284,6 +284,6 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
         checkpoint_now()
     eval_loss = evaluate(model, objective, settings.batch_size, settings.autocast_bf16)
     if eval_loss is not None:
-        sink.log({"step": state["next_batch"], "eval_loss": eval_loss})
+        sink.log({"step": state["next_batch"], "eval_loss": eval_loss}, advance=False)
     sink.close()
     return 0

@@ -59,7 +59,7 @@ class MetricsSink:
 
         self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
 
-    def log(self, record: dict[str, Any]) -> None:
+    def log(self, record: dict[str, Any], advance: bool = True) -> None:
         if not self.enabled:
             return
         with open(self.path, "a", encoding="utf-8") as handle:
@@ -68,10 +68,15 @@ class MetricsSink:
             for key, value in record.items():
                 if isinstance(value, int | float) and key != "step":
                     self.writer.add_scalar(key, value, record["step"])
-        if self.bar is not None:
+        if self.bar is not None and advance:
             shown = {k: record[k] for k in ("loss", "grad_norm", "lr") if k in record}
             self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
             self.bar.update(1)
+
+    def rewind(self, step: int) -> None:
+        if self.bar is not None:
+            self.bar.n = step
+            self.bar.refresh()
 
     def skip(self) -> None:
         if self.bar is not None:

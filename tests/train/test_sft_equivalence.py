@@ -14,6 +14,21 @@ def max_diff(a: dict, b: dict) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+def assert_same_trajectory(run_a, run_b, weight_atol=1e-4):
+    """Per-step loss and grad norm agree tightly; weights agree to a tenth of one Adam step (lr 1e-3).
+
+    Adam divides by sqrt(v): float32 rounding in a near-zero gradient becomes a visible update, so the
+    weights get a tolerance tied to the step size while loss and grad norm get a relative 1e-5.
+    """
+    steps_a = [m for m in read_jsonl(run_a / "metrics.jsonl") if "loss" in m]
+    steps_b = [m for m in read_jsonl(run_b / "metrics.jsonl") if "loss" in m]
+    assert len(steps_a) == len(steps_b) > 0
+    for x, y in zip(steps_a, steps_b, strict=True):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5)
+        assert x["grad_norm"] == pytest.approx(y["grad_norm"], rel=1e-5)
+    assert max_diff(final_weights(run_a), final_weights(run_b)) < weight_atol
+
+
 def test_accumulation_equivalence_and_every_parameter_moves(tiny_model_dir, sft_data, tmp_path):
     common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false"}
     big = tmp_path / "b8a1"
@@ -22,8 +37,8 @@ def test_accumulation_equivalence_and_every_parameter_moves(tiny_model_dir, sft_
     assert run_in_process(
         base_overrides(tiny_model_dir, sft_data, small, **common, **{"train.batch_size": 1, "train.grad_accum": 8})
     ) == 0
-    a, b = final_weights(big), final_weights(small)
-    assert max_diff(a, b) < 1e-5
+    assert_same_trajectory(big, small)
+    a = final_weights(big)
     start = AutoModelForCausalLM.from_pretrained(tiny_model_dir).state_dict()
     unmoved = [k for k in a if torch.equal(a[k], start[k])]
     assert not unmoved, f"parameters that did not move: {unmoved}"
@@ -43,7 +58,7 @@ def test_two_ranks_equal_one_rank(tiny_model_dir, sft_data, tmp_path):
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, one, **common, **{"train.batch_size": 8})) == 0
     proc = run_subprocess(base_overrides(tiny_model_dir, sft_data, two, **common, **{"train.batch_size": 4}), nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert max_diff(final_weights(one), final_weights(two)) < 1e-5
+    assert_same_trajectory(one, two)
 
 
 def test_packing_trains_and_counts_rows(tiny_model_dir, sft_data, tmp_path):
