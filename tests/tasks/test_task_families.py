@@ -32,7 +32,9 @@ def test_every_group_and_tier_has_at_least_two_families():
 def test_registry_rejects_duplicate_names_and_unknown_groups():
     existing = tasks.families_in()[0]
     with pytest.raises(ValueError, match="already registered"):
-        register_family(existing.name, existing.group, existing.tier, "x", existing.wrong_answer)(existing.sample)
+        register_family(existing.name, existing.group, existing.tier, "x", existing.wrong_answer)(
+            existing.sample
+        )
     with pytest.raises(ValueError, match="unknown group"):
         register_family("new_family", "poetry", 1, "x", existing.wrong_answer)
     with pytest.raises(ValueError, match="tier"):
@@ -94,7 +96,12 @@ def test_weights_shape_the_mix():
         600, seed=0, group_weights={"reasoning": 2.0, "transformation": 0.0}, tier_weights={3: 0.0}
     )
     counts = Counter((p.group, p.tier) for p in problems)
-    assert set(counts) == {("reasoning", 1), ("reasoning", 2), ("instruction_following", 1), ("instruction_following", 2)}
+    assert set(counts) == {
+        ("reasoning", 1),
+        ("reasoning", 2),
+        ("instruction_following", 1),
+        ("instruction_following", 2),
+    }
     assert counts[("reasoning", 1)] == counts[("reasoning", 2)] == 200
     assert counts[("instruction_following", 1)] == counts[("instruction_following", 2)] == 100
 

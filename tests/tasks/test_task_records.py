@@ -31,7 +31,9 @@ def test_sft_examples_carry_tier_group_and_the_reference_answer(verify):
         user_turn, assistant_turn = example.messages
         assert (user_turn.role, assistant_turn.role) == ("user", "assistant")
         assert example.tier in tasks.TIERS and example.meta["group"] in tasks.GROUPS
-        assert verify(example.meta["verifier"], assistant_turn.content, assistant_turn.content, example.meta["options"])
+        assert verify(
+            example.meta["verifier"], assistant_turn.content, assistant_turn.content, example.meta["options"]
+        )
         assert split_of(example.meta["task_key"]) == "train"
     assert Counter(e.tier for e in examples) == {1: 30, 2: 30, 3: 30}
 
@@ -40,7 +42,11 @@ def test_rl_prompts_carry_answer_verifier_group_and_options(verify):
     prompts = tasks.rl_prompts(90, seed=2)
     assert all(isinstance(p, RLPrompt) for p in prompts)
     for prompt in prompts:
-        assert prompt.answer and prompt.verifier in {"exact", "numeric", "ifeval"} and prompt.group in tasks.GROUPS
+        assert (
+            prompt.answer
+            and prompt.verifier in {"exact", "numeric", "ifeval"}
+            and prompt.group in tasks.GROUPS
+        )
         assert verify(prompt.verifier, prompt.answer, prompt.answer, prompt.meta["options"])
         assert split_of(prompt.meta["task_key"]) == "train"
     assert {p.group for p in prompts} == set(tasks.GROUPS)

@@ -1,0 +1,137 @@
+"""The raw pool: planted noise in the stated proportions, each kind really noisy, the rest really clean."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from collections import Counter
+
+import pytest
+
+import posttrain.tasks as tasks
+from posttrain.tasks.pool import garble, truncate
+
+POOL_SIZE = 500
+NEAR_DUPLICATE_JACCARD = 0.8  # 5-word shingles, as the curation funnel uses
+_MOJIBAKE_MARKERS = ("\ufffd", "Ã", "â€")
+
+
+@pytest.fixture(scope="module")
+def pool():
+    return tasks.raw_pool(POOL_SIZE, seed=3)
+
+
+def shingles(text: str, size: int = 5) -> set[tuple[str, ...]]:
+    # Written again here rather than imported, so a bug in the pool's own similarity code shows.
+    words = [w for w in re.split(r"[\W_]+", text.lower()) if w]
+    return {tuple(words[i : i + size]) for i in range(max(1, len(words) - size + 1))}
+
+
+def jaccard(a: str, b: str) -> float:
+    sa, sb = shingles(a), shingles(b)
+    return len(sa & sb) / len(sa | sb)
+
+
+def _kind(record):
+    return record["meta"]["planted"]
+
+
+def test_pool_is_deterministic_and_ids_are_unique(pool):
+    assert pool == tasks.raw_pool(POOL_SIZE, seed=3)
+    assert pool != tasks.raw_pool(POOL_SIZE, seed=4)
+    assert len({r["id"] for r in pool}) == POOL_SIZE
+    assert all(set(r) == {"id", "prompt", "response", "meta"} for r in pool)
+
+
+def test_planted_kinds_come_in_the_stated_proportions(pool):
+    mix = tasks.NoiseMix()
+    counts = Counter(_kind(r) or "clean" for r in pool)
+    assert counts == mix.counts(POOL_SIZE)
+    for kind in tasks.NOISE_KINDS:
+        assert abs(counts[kind] / POOL_SIZE - getattr(mix, kind)) <= 1 / POOL_SIZE, kind
+    assert sum(counts.values()) == POOL_SIZE
+
+
+def test_a_custom_mix_is_honoured_and_bad_mixes_are_refused():
+    mix = tasks.NoiseMix(
+        exact_duplicate=0.2, near_duplicate=0.0, garbled=0.1, empty=0.0, truncated=0.0, wrong_answer=0.3
+    )
+    counts = Counter(_kind(r) or "clean" for r in tasks.raw_pool(100, seed=0, noise=mix))
+    assert counts == {"clean": 40, "exact_duplicate": 20, "garbled": 10, "wrong_answer": 30}
+    with pytest.raises(ValueError, match="in \\[0, 1\\]"):
+        tasks.NoiseMix(garbled=-0.1)
+    with pytest.raises(ValueError, match="add up to"):
+        tasks.NoiseMix(wrong_answer=0.8)
+
+
+def test_clean_records_are_right_and_readable(pool, verify):
+    for record in pool:
+        if _kind(record) is None:
+            meta = record["meta"]
+            assert record["prompt"].isascii() and record["prompt"].endswith(meta["task_prompt"])
+            assert record["response"] == meta["answer"]
+            assert verify(meta["verifier"], record["response"], meta["answer"], meta["options"])
+
+
+def test_exact_duplicates_copy_a_clean_record(pool):
+    by_id = {r["id"]: r for r in pool}
+    for record in (r for r in pool if _kind(r) == "exact_duplicate"):
+        source = by_id[record["meta"]["duplicate_of"]]
+        assert _kind(source) is None
+        assert (record["prompt"], record["response"]) == (source["prompt"], source["response"])
+
+
+def test_near_duplicates_are_close_to_their_source_but_not_identical(pool):
+    by_id = {r["id"]: r for r in pool}
+    for record in (r for r in pool if _kind(r) == "near_duplicate"):
+        source = by_id[record["meta"]["duplicate_of"]]
+        assert _kind(source) is None and record["prompt"] != source["prompt"]
+        assert jaccard(record["prompt"], source["prompt"]) >= NEAR_DUPLICATE_JACCARD
+        both = (f"{record['prompt']} {record['response']}", f"{source['prompt']} {source['response']}")
+        assert jaccard(*both) >= NEAR_DUPLICATE_JACCARD
+        changed = set(record["prompt"].split()) ^ set(source["prompt"].split())
+        assert 1 <= len(changed) <= 2
+
+
+def test_distinct_problems_are_never_near_duplicates(pool):
+    # A perfect near-dup filter must find exactly the planted pairs, nothing more.
+    originals = [r for r in pool if _kind(r) not in ("exact_duplicate", "near_duplicate")]
+    sets = [shingles(r["prompt"]) for r in originals]
+    worst = max(len(a & b) / len(a | b) for a, b in itertools.combinations(sets, 2))
+    assert worst < NEAR_DUPLICATE_JACCARD
+    assert len({r["meta"]["task_prompt"] for r in originals}) == len(originals)
+
+
+def test_garbled_records_carry_broken_encoding(pool):
+    garbled = [r for r in pool if _kind(r) == "garbled"]
+    assert garbled
+    for record in garbled:
+        assert any(marker in record["prompt"] for marker in _MOJIBAKE_MARKERS)
+        assert record["prompt"] != record["meta"]["task_prompt"]
+
+
+def test_empty_truncated_and_wrong_responses_fail_their_check(pool, verify):
+    for record in pool:
+        meta, response = record["meta"], record["response"]
+        if _kind(record) == "empty":
+            assert not response.strip()
+        elif _kind(record) == "truncated":
+            assert meta["answer"].startswith(response) and 0 < len(response) < len(meta["answer"])
+        elif _kind(record) == "wrong_answer":
+            assert response != meta["answer"]
+        else:
+            continue
+        assert not verify(meta["verifier"], response, meta["answer"], meta["options"]), record
+
+
+def test_garble_and_truncate_always_change_their_input():
+    import random
+
+    rng = random.Random(0)
+    for text in ("What is 1 + 2?", "Sort these numbers: 5 2 9", "x"):
+        for _ in range(50):
+            assert garble(text, rng) != text
+    for answer in ("12", "- a\n- b\n- c", "Answer: cat", '{"name": "cat"}', "c d s"):
+        for _ in range(20):
+            cut = truncate(answer, rng)
+            assert cut and answer.startswith(cut) and cut != answer
