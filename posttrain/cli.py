@@ -27,6 +27,8 @@ _COMMAND_MODULES = (
     "posttrain.data.inspect",
     "posttrain.commands.model",
     "posttrain.commands.demo",
+    "posttrain.generate.cli",
+    "posttrain.eval.cli",
 )
 
 EPILOG = f"""\

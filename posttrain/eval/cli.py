@@ -1,0 +1,173 @@
+"""``posttrain eval``: score a model or given outputs on a suite; ``posttrain eval compare``: is a change real?
+
+    posttrain eval --model DIR --suite NAME_OR_FILE -o results.json
+    posttrain eval --outputs OUTPUTS.jsonl --suite NAME_OR_FILE -o results.json
+    posttrain eval compare BASE.json NEW.json [-o comparison.json]
+    posttrain eval --lm-eval TASKS --model DIR -o lm_eval.json      (needs lm-evaluation-harness)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from posttrain.generate.cli import add_sampling_arguments, backend_from_args, sampling_from_args
+
+LM_EVAL_HINT = (
+    "posttrain eval --lm-eval needs lm-evaluation-harness, which is not installed.\n"
+    "Install it with:  pip install 'posttrain[lm-eval]'"
+)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "eval",
+        help="Evaluate a model (or given outputs) on a suite with CIs; `eval compare` tests a score change.",
+        description=__doc__.split("\n", 2)[2] if __doc__ else None,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    source = parser.add_mutually_exclusive_group()
+    source.add_argument("--model", help="HF-format model directory to generate with")
+    source.add_argument("--outputs", help="JSONL of {id, output} produced elsewhere (no model is loaded)")
+    parser.add_argument("--suite", help="registered suite name (e.g. flywheel, smoke) or a .jsonl/.yaml/.json file")
+    parser.add_argument("-o", "--output", help="results JSON (default: print the summary only)")
+    parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates for the 95%% CIs")
+    parser.add_argument("--stats-seed", type=int, default=0, help="seed of the bootstrap")
+    parser.add_argument("--raw-prompts", action="store_true",
+                        help="send string prompts as raw text instead of a user turn through the chat template")
+    parser.add_argument("--allow-missing", action="store_true", help="score items without an output as 0")
+    parser.add_argument("--allow-unsandboxed-code", action="store_true",
+                        help="run code tasks even where they cannot be isolated (eval.allow_unsandboxed_code)")
+    parser.add_argument("--code-timeout", type=float, default=10.0, help="wall-clock seconds per code run")
+    parser.add_argument("--code-memory-mb", type=int, default=1024, help="address-space limit per code run")
+    parser.add_argument("--code-workers", type=int, default=2, help="code runs in parallel")
+    parser.add_argument("--lm-eval", metavar="TASKS",
+                        help="run lm-evaluation-harness tasks (comma-separated) on --model instead of a suite")
+    parser.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_sampling_arguments(parser, default_temperature=0.0, default_max_new_tokens=256)
+    parser.set_defaults(func=_run)
+
+    actions = parser.add_subparsers(dest="eval_action", metavar="ACTION")
+    compare = actions.add_parser(
+        "compare",
+        help="Pair two results by item id: delta per capability and composite, paired-bootstrap CI, permutation p.",
+        description="Compare two `posttrain eval` results on the same items. Reports, for the composite index "
+        "and every group and tier, BASE -> NEW, the delta with a paired-bootstrap 95% CI and a paired "
+        "permutation p-value (group/tier p-values Holm-adjusted), and says which changes are significant.",
+    )
+    compare.add_argument("base", help="results JSON of the baseline")
+    compare.add_argument("new", help="results JSON of the new model")
+    compare.add_argument("-o", "--output", dest="compare_output", help="write the comparison as JSON")
+    compare.add_argument("--n-boot", dest="compare_n_boot", type=int, default=2000)
+    compare.add_argument("--n-perm", type=int, default=10000, help="random sign flips for the permutation test")
+    compare.add_argument("--alpha", type=float, default=0.05)
+    compare.add_argument("--seed", dest="compare_seed", type=int, default=0)
+    compare.set_defaults(func=_compare)
+
+
+def _fail(message: str) -> int:
+    print(f"posttrain eval: {message}", file=sys.stderr)
+    return 2
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.lm_eval:
+        return _run_lm_eval(args)
+    if not args.suite:
+        return _fail("--suite is required (a registered suite name or a suite file)")
+    if not (args.model or args.outputs):
+        return _fail("give --model DIR (generate and score) or --outputs FILE (score given outputs)")
+    from posttrain.eval.harness import evaluate
+    from posttrain.eval.items import load_suite
+    from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable
+
+    suite = load_suite(args.suite)
+    limits = SandboxLimits(timeout_s=args.code_timeout, cpu_s=max(1, int(args.code_timeout)),
+                           memory_mb=args.code_memory_mb)
+    params = sampling_from_args(args)
+    source = backend_from_args(args) if args.model else args.outputs
+    try:
+        results = evaluate(
+            source, suite, params,
+            batch_size=args.batch_size, n_boot=args.n_boot, seed=args.stats_seed, chat=not args.raw_prompts,
+            allow_missing=args.allow_missing, allow_unsandboxed_code=args.allow_unsandboxed_code,
+            sandbox_limits=limits, code_workers=args.code_workers, model_name=args.model,
+            progress=not args.quiet,
+        )
+    except SandboxUnavailable as exc:
+        return _fail(str(exc))
+    if args.output:
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")
+    print(format_scores(results))
+    if args.output:
+        print(f"results -> {args.output}")
+    return 0
+
+
+def format_scores(results: dict) -> str:
+    scores = results["scores"]
+    lines = [f"suite {results['suite']}: {results['counts']['passed']}/{results['counts']['items']} items passed"]
+    composite = scores["composite"]
+    lines.append(f"  composite index  {composite['score']:6.1f}  95% CI [{composite['ci_low']:.1f}, {composite['ci_high']:.1f}]")
+    for kind in ("groups", "tiers"):
+        for name, s in scores[kind].items():
+            label = f"{kind[:-1]} {name}"
+            weight = f"  weight {results['weights'][name]:.2f}" if kind == "groups" else ""
+            lines.append(f"  {label:<16} {s['score']:6.1f}  95% CI [{s['ci_low']:.1f}, {s['ci_high']:.1f}]  n={s['n']}{weight}")
+    counts = results["counts"]
+    for key in ("missing_outputs", "unmatched_outputs", "verifier_errors"):
+        if counts.get(key):
+            lines.append(f"  note: {counts[key]} {key.replace('_', ' ')}")
+    if results.get("sandbox", {}).get("used") and not results["sandbox"]["isolated"]:
+        lines.append("  WARNING: code tasks ran WITHOUT the sandbox (allow_unsandboxed_code)")
+    return "\n".join(lines)
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from posttrain.eval.stats import compare_results
+
+    runs = []
+    for path in (args.base, args.new):
+        try:
+            runs.append(json.loads(Path(path).read_text(encoding="utf-8")))
+        except json.JSONDecodeError as exc:
+            return _fail(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})")
+        if "items" not in runs[-1]:
+            return _fail(f"{path}: not a `posttrain eval` results file (no `items`)")
+    if runs[0].get("suite") != runs[1].get("suite"):
+        print(f"note: different suites ({runs[0].get('suite')} vs {runs[1].get('suite')}); comparing shared items",
+              file=sys.stderr)
+    result = compare_results(runs[0], runs[1], n_boot=args.compare_n_boot, n_perm=args.n_perm,
+                             seed=args.compare_seed, alpha=args.alpha)
+    result["base"], result["new"] = args.base, args.new
+    if args.compare_output:
+        Path(args.compare_output).write_text(json.dumps(result, indent=1), encoding="utf-8")
+    print("\n".join(result["summary"]))
+    return 0
+
+
+def _run_lm_eval(args: argparse.Namespace) -> int:
+    try:
+        import lm_eval
+    except ImportError:
+        print(LM_EVAL_HINT, file=sys.stderr)
+        return 2
+    if not args.model:
+        return _fail("--lm-eval needs --model DIR")
+    tasks = [t.strip() for t in args.lm_eval.split(",") if t.strip()]
+    results = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=f"pretrained={args.model},dtype={args.dtype}",
+        tasks=tasks,
+        batch_size=args.batch_size,
+        device=args.device or "cpu",
+    )
+    summary = {"model": args.model, "tasks": tasks, "results": results.get("results", {})}
+    text = json.dumps(summary, indent=1, default=str)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    print(text)
+    return 0
