@@ -6,7 +6,8 @@ problem has a reference answer and a verifier, and a hash of each problem's cano
 the train or the eval split, so eval items are never trained on.
 
 - ``sft_examples(n, seed)`` / ``rl_prompts(n, seed)``: training records (train split).
-- ``build_suite(n_per_cell, seed)``: the ``flywheel`` eval suite (eval split).
+- ``build_suite(n_per_cell, seed)``: the ``flywheel`` eval items (eval split); importing this
+  package registers the suite as ``flywheel`` in ``posttrain.eval.items.SUITES``.
 - ``raw_pool(n, seed)``: a raw instruction pool with planted noise for the curation funnel.
 - ``pretrain_corpus(n, seed)``: plain text for pretraining the demo's tiny base model.
 """
@@ -14,9 +15,11 @@ the train or the eval split, so eval items are never trained on.
 from posttrain.tasks.corpus import pretrain_corpus
 from posttrain.tasks.emit import (
     EVAL_ITEM_KEYS,
+    SUITE_NAME,
     build_suite,
     eval_items,
     eval_problems,
+    flywheel_suite,
     rl_prompts,
     sft_examples,
     to_eval_item,
@@ -50,7 +53,9 @@ __all__ = [
     "Problem",
     "TaskFamily",
     "TaskSpaceExhausted",
+    "SUITE_NAME",
     "build_suite",
+    "flywheel_suite",
     "eval_items",
     "eval_problems",
     "families_in",

@@ -1,7 +1,9 @@
 """Turn problems into the records other stages read: SFT examples, RL prompts and eval items.
 
 Training records (SFT, RL) come only from the ``train`` split and eval items only from the ``eval``
-split (see ``posttrain.tasks.problem.split_of``), so the two never share a problem.
+split (see ``posttrain.tasks.problem.split_of``), so the two never share a problem. Verifier options
+(e.g. ifeval constraints) travel in ``meta["verifier_options"]`` of training records, where
+``posttrain.eval.items.EvalItem.from_rl_prompt`` looks for them, and in ``options`` of eval items.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import random
 from typing import Any
 
 from posttrain.data.records import RLPrompt, SFTExample, assistant, stable_id, user
+from posttrain.eval.items import EvalItem, Suite, register_suite
 from posttrain.tasks.problem import (
     GROUPS,
     TIERS,
@@ -21,7 +24,9 @@ from posttrain.tasks.problem import (
     sample_problems,
 )
 
-EVAL_ITEM_KEYS = ("id", "prompt", "verifier", "answer", "tests", "group", "tier", "options")
+EVAL_ITEM_KEYS = ("id", "prompt", "verifier", "answer", "tests", "group", "tier", "options", "meta")
+SUITE_NAME = "flywheel"
+DEFAULT_ITEMS_PER_CELL = 40
 
 
 def _meta(problem: Problem) -> dict[str, Any]:
@@ -33,26 +38,30 @@ def to_sft(problem: Problem) -> SFTExample:
     return SFTExample(
         messages=[user(problem.prompt), assistant(problem.answer)],
         tier=problem.tier,
-        meta={**_meta(problem), "verifier": problem.verifier, "options": copy.deepcopy(problem.options)},
+        meta={
+            **_meta(problem),
+            "verifier": problem.verifier,
+            "verifier_options": copy.deepcopy(problem.options),
+        },
     )
 
 
 def to_rl(problem: Problem) -> RLPrompt:
-    """An RL prompt with its answer key. ``meta.options`` holds the verifier options (e.g. ifeval constraints)."""
+    """An RL prompt with its answer key and verifier; the verifier's options are in ``meta.verifier_options``."""
     return RLPrompt(
         prompt=[user(problem.prompt)],
         answer=problem.answer,
         verifier=problem.verifier,
         group=problem.group,
         tier=problem.tier,
-        meta={**_meta(problem), "options": copy.deepcopy(problem.options)},
+        meta={**_meta(problem), "verifier_options": copy.deepcopy(problem.options)},
     )
 
 
 def to_eval_item(problem: Problem) -> dict[str, Any]:
-    """An eval item with exactly the keys of the eval harness contract (``EVAL_ITEM_KEYS``)."""
+    """An eval item as a dict with the keys of ``posttrain.eval.items.EvalItem`` (``EVAL_ITEM_KEYS``)."""
     return {
-        "id": stable_id(problem.key, f"flywheel-{problem.family}-"),
+        "id": stable_id(problem.key, f"{SUITE_NAME}-{problem.family}-"),
         "prompt": problem.prompt,
         "verifier": problem.verifier,
         "answer": problem.answer,
@@ -60,6 +69,7 @@ def to_eval_item(problem: Problem) -> dict[str, Any]:
         "group": problem.group,
         "tier": problem.tier,
         "options": copy.deepcopy(problem.options),
+        "meta": {"family": problem.family, "task_key": problem.key},
     }
 
 
@@ -76,23 +86,24 @@ def rl_prompts(n: int, seed: int, **sampling: Any) -> list[RLPrompt]:
 def eval_problems(
     n_per_cell: int,
     seed: int,
-    group_weights: dict[str, float] | None = None,
+    group_scale: dict[str, float] | None = None,
     tiers: tuple[int, ...] = TIERS,
 ) -> list[Problem]:
-    """Distinct eval-split problems: ``round(n_per_cell * weight)`` per (group, tier) cell, evenly per family.
+    """Distinct eval-split problems: ``round(n_per_cell * group_scale[group])`` per (group, tier) cell.
 
-    Cells are filled in a fixed order and each family draws from its own seeded stream, so the
-    suite for a seed is the same on every machine; a larger ``n_per_cell`` extends a smaller one.
+    A cell's items are split evenly between its families. Each family draws from its own seeded
+    stream, so the suite for a seed is the same on every machine, and a larger ``n_per_cell``
+    extends a smaller one.
     """
     if n_per_cell < 1:
         raise ValueError(f"n_per_cell must be >= 1, got {n_per_cell}")
-    weights = {g: 1.0 for g in GROUPS} | (group_weights or {})
-    unknown = sorted(set(weights) - set(GROUPS))
+    scale = {g: 1.0 for g in GROUPS} | (group_scale or {})
+    unknown = sorted(set(scale) - set(GROUPS))
     if unknown:
-        raise ValueError(f"unknown group(s) in group_weights: {unknown}; groups are {', '.join(GROUPS)}")
+        raise ValueError(f"unknown group(s) in group_scale: {unknown}; groups are {', '.join(GROUPS)}")
     problems: list[Problem] = []
     for group in GROUPS:
-        cell_size = round(n_per_cell * weights[group])
+        cell_size = round(n_per_cell * scale[group])
         if cell_size <= 0:
             continue
         for tier in tiers:
@@ -105,27 +116,34 @@ def eval_problems(
 
 
 def eval_items(n_per_cell: int, seed: int, **options: Any) -> list[dict[str, Any]]:
+    """Eval items as plain dicts (e.g. to write a JSONL suite file); ``options`` as for ``eval_problems``."""
     return [to_eval_item(p) for p in eval_problems(n_per_cell, seed, **options)]
 
 
 def build_suite(
-    n_per_cell: int = 40,
+    n_per_cell: int = DEFAULT_ITEMS_PER_CELL,
+    seed: int = 0,
+    group_scale: dict[str, float] | None = None,
+) -> list[EvalItem]:
+    """The ``flywheel`` items: ``n_per_cell`` per (group, tier) cell, times ``group_scale[group]`` (default 1)."""
+    return [EvalItem.model_validate(item) for item in eval_items(n_per_cell, seed, group_scale=group_scale)]
+
+
+def flywheel_suite(
+    n_per_cell: int = DEFAULT_ITEMS_PER_CELL,
     seed: int = 0,
     group_weights: dict[str, float] | None = None,
-) -> list[Any]:
-    """The ``flywheel`` eval suite: ``n_per_cell`` items per (group, tier) cell times the group's weight.
+) -> Suite:
+    """The built-in ``flywheel`` eval suite; ``group_weights`` weight the groups in the composite index."""
+    return Suite(
+        name=SUITE_NAME,
+        items=build_suite(n_per_cell, seed),
+        group_weights=group_weights or {group: 1.0 for group in GROUPS},
+        description=(
+            f"Built-in verifiable tasks (posttrain.tasks), eval split only: {n_per_cell} items per "
+            f"(group, tier) cell, {len(GROUPS)} groups x {len(TIERS)} tiers, seed {seed}."
+        ),
+    )
 
-    Returns ``posttrain.eval.items.EvalItem`` objects when the eval harness is installed, else
-    plain dicts with the same keys.
-    """
-    items = eval_items(n_per_cell, seed, group_weights=group_weights)
-    item_class = _eval_item_class()
-    return [item_class(**item) for item in items] if item_class else items
 
-
-def _eval_item_class() -> Any:
-    try:
-        from posttrain.eval.items import EvalItem
-    except ImportError:  # the eval harness is optional for generating data
-        return None
-    return EvalItem
+register_suite(SUITE_NAME, flywheel_suite)

@@ -15,7 +15,7 @@ is planted with each kind of noise; every planted record names its kind in ``met
 - ``truncated``: the reference answer cut short (at a word boundary when it has several words).
 - ``wrong_answer``: a plausible wrong answer that fails the task's verifier.
 
-Every record carries the answer key in ``meta`` (``answer``, ``verifier``, ``options``, ``group``,
+Every record carries the answer key in ``meta`` (``answer``, ``verifier``, ``verifier_options``, ``group``,
 ``tier``, ``family``, ``task_prompt``) so a verifier stage can check responses, exactly as a real
 flywheel checks verifiable tasks.
 """
@@ -195,7 +195,7 @@ def _record(problem: Problem, rng: random.Random, kind: str) -> dict[str, Any]:
             "task_prompt": problem.prompt,
             "answer": problem.answer,
             "verifier": problem.verifier,
-            "options": copy.deepcopy(problem.options),
+            "verifier_options": copy.deepcopy(problem.options),
         },
     }
 

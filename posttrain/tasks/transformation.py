@@ -1,4 +1,4 @@
-"""Transformation: string and list manipulation, checked by the ``exact`` verifier.
+"""Transformation: string and list manipulation, checked by the ``exact`` verifier (``ifeval`` where case matters).
 
 Tier 1 reads one word (reverse it, name its first or last letter), tier 2 reorders a short list (sort
 numbers, reverse a list of words), tier 3 chains two operations (reverse then uppercase, sort words,
@@ -128,12 +128,22 @@ def _half_done(problem: Problem, rng: random.Random) -> str:
 def reverse_upper(rng: random.Random) -> Problem:
     word = rng.choice(WORDS)
     answer = word[::-1].upper()
-    return _exact(
+    # `exact` compares case-insensitively and would accept "tac"; these three constraints accept
+    # exactly the one uppercase word (any surrounding punctuation aside).
+    constraints = [
+        {"type": "case", "value": "upper"},
+        {"type": "required_keywords", "words": [answer]},
+        {"type": "max_words", "value": 1},
+    ]
+    return Problem(
         "reverse_upper",
+        GROUP,
         3,
         canonical_key("reverse_upper", word),
         f"Reverse the word {word} and write it in uppercase.",
         answer,
+        "ifeval",
+        {"constraints": constraints},
         f"The word {word} reversed in uppercase is {answer}.",
     )
 

@@ -70,7 +70,7 @@ def test_clean_records_are_right_and_readable(pool, verify):
             meta = record["meta"]
             assert record["prompt"].isascii() and record["prompt"].endswith(meta["task_prompt"])
             assert record["response"] == meta["answer"]
-            assert verify(meta["verifier"], record["response"], meta["answer"], meta["options"])
+            assert verify(meta["verifier"], record["response"], meta["answer"], meta["verifier_options"])
 
 
 def test_exact_duplicates_copy_a_clean_record(pool):
@@ -121,7 +121,7 @@ def test_empty_truncated_and_wrong_responses_fail_their_check(pool, verify):
             assert response != meta["answer"]
         else:
             continue
-        assert not verify(meta["verifier"], response, meta["answer"], meta["options"]), record
+        assert not verify(meta["verifier"], response, meta["answer"], meta["verifier_options"]), record
 
 
 def test_garble_and_truncate_always_change_their_input():

@@ -9,6 +9,8 @@ import pytest
 
 import posttrain.tasks as tasks
 from posttrain.data.records import RLPrompt, SFTExample
+from posttrain.eval.items import EvalItem, load_suite
+from posttrain.eval.verifiers import verify as verify_result
 from posttrain.tasks.problem import split_of
 
 TRAIN_SAMPLE = 4000
@@ -32,7 +34,10 @@ def test_sft_examples_carry_tier_group_and_the_reference_answer(verify):
         assert (user_turn.role, assistant_turn.role) == ("user", "assistant")
         assert example.tier in tasks.TIERS and example.meta["group"] in tasks.GROUPS
         assert verify(
-            example.meta["verifier"], assistant_turn.content, assistant_turn.content, example.meta["options"]
+            example.meta["verifier"],
+            assistant_turn.content,
+            assistant_turn.content,
+            example.meta["verifier_options"],
         )
         assert split_of(example.meta["task_key"]) == "train"
     assert Counter(e.tier for e in examples) == {1: 30, 2: 30, 3: 30}
@@ -47,7 +52,7 @@ def test_rl_prompts_carry_answer_verifier_group_and_options(verify):
             and prompt.verifier in {"exact", "numeric", "ifeval"}
             and prompt.group in tasks.GROUPS
         )
-        assert verify(prompt.verifier, prompt.answer, prompt.answer, prompt.meta["options"])
+        assert verify(prompt.verifier, prompt.answer, prompt.answer, prompt.meta["verifier_options"])
         assert split_of(prompt.meta["task_key"]) == "train"
     assert {p.group for p in prompts} == set(tasks.GROUPS)
 
@@ -58,6 +63,7 @@ def test_eval_items_follow_the_contract(verify):
     for item in items:
         assert tuple(sorted(item)) == tuple(sorted(tasks.EVAL_ITEM_KEYS))
         assert isinstance(item["prompt"], str) and item["tests"] is None
+        assert EvalItem.model_validate(item).model_dump() == item
         assert verify(item["verifier"], item["answer"], item["answer"], item["options"])
     assert len({item["id"] for item in items}) == len(items)
     assert Counter((i["group"], i["tier"]) for i in items) == {
@@ -65,18 +71,26 @@ def test_eval_items_follow_the_contract(verify):
     }
 
 
-def test_build_suite_applies_group_weights_and_is_deterministic():
-    def as_dict(item):
-        return item if isinstance(item, dict) else item.model_dump()
-
-    suite = [as_dict(i) for i in tasks.build_suite(10, seed=1, group_weights={"reasoning": 2.0})]
-    assert suite == [as_dict(i) for i in tasks.build_suite(10, seed=1, group_weights={"reasoning": 2.0})]
-    per_group = Counter(item["group"] for item in suite)
+def test_build_suite_scales_groups_and_is_deterministic():
+    suite = tasks.build_suite(10, seed=1, group_scale={"reasoning": 2.0})
+    assert all(isinstance(item, EvalItem) for item in suite)
+    assert suite == tasks.build_suite(10, seed=1, group_scale={"reasoning": 2.0})
+    per_group = Counter(item.group for item in suite)
     assert per_group == {"reasoning": 60, "instruction_following": 30, "transformation": 30}
-    other_seed = {as_dict(i)["prompt"] for i in tasks.build_suite(10, seed=2)}
-    assert other_seed != {item["prompt"] for item in suite}
+    assert {i.prompt for i in tasks.build_suite(10, seed=2)} != {i.prompt for i in suite}
     with pytest.raises(ValueError, match="unknown group"):
-        tasks.build_suite(10, seed=1, group_weights={"poetry": 1.0})
+        tasks.build_suite(10, seed=1, group_scale={"poetry": 1.0})
+
+
+def test_flywheel_suite_is_registered_and_loads_through_the_eval_harness(verify):
+    suite = load_suite("flywheel")  # validates every item's verifier options
+    assert suite.name == "flywheel" and suite.groups == sorted(tasks.GROUPS)
+    assert len(suite.items) == tasks.emit.DEFAULT_ITEMS_PER_CELL * len(tasks.GROUPS) * len(tasks.TIERS)
+    assert set(suite.group_weights) == set(tasks.GROUPS)
+    for item in suite.items:
+        assert verify_result(item, item.answer).passed, item
+    weighted = tasks.flywheel_suite(5, seed=0, group_weights={"reasoning": 2.0, "transformation": 1.0})
+    assert weighted.group_weights == {"reasoning": 2.0, "transformation": 1.0}
 
 
 def test_asking_more_eval_items_than_a_family_holds_is_a_clear_error():
