@@ -57,7 +57,7 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
     return SFTData(examples, dropped)
 
 
-def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int) -> list[TokenizedExample | PackedRow]:
+def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int, pad_id: int) -> list[TokenizedExample | PackedRow]:
     """Order the examples by the curriculum, then (optionally) pack them into rows in that order."""
     train = config.train
     items = [Difficulty(e.tier, e.difficulty) for e in examples]
@@ -80,10 +80,10 @@ def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int)
         return [examples[i] for i in stream(train.epochs, train.max_steps)]
     if train.max_steps is None or config.data.curriculum == "competence":
         order = stream(train.epochs, train.max_steps)
-        return pack_examples([examples[i] for i in order], train.max_length)
+        return pack_examples([examples[i] for i in order], train.max_length, pad_id)
     epochs = 1.0  # packed rows hold several examples: add epochs until max_steps worth of rows exist
     while True:
-        rows = pack_examples([examples[i] for i in stream(epochs, None)], train.max_length)
+        rows = pack_examples([examples[i] for i in stream(epochs, None)], train.max_length, pad_id)
         if len(rows) >= train.max_steps * per_step:
             return rows[: train.max_steps * per_step]
         epochs += 1.0
@@ -131,9 +131,9 @@ def run_sft(config: SFTRecipe) -> int:
     try:
         root, lm, tokenizer = load_policy(config)
         data = tokenize_sft(config, config.data.train, tokenizer, "")
-        units = build_units(config, data.examples, dist.world_size())
+        units = build_units(config, data.examples, dist.world_size(), tokenizer.pad_token_id)
         eval_examples = tokenize_sft(config, config.data.eval, tokenizer, "-eval").examples if config.data.eval else []
-        eval_units = pack_examples(eval_examples, config.train.max_length) if config.data.packing else eval_examples
+        eval_units = pack_examples(eval_examples, config.train.max_length, tokenizer.pad_token_id) if config.data.packing else eval_examples
         per_step = config.train.batch_size * config.train.grad_accum * dist.world_size()
         leftover = len(units) % per_step
         say(
