@@ -1,0 +1,169 @@
+"""``posttrain curate``: run the curation stages over sharded JSONL input and write a versioned dataset.
+
+Outputs in ``output_dir``: ``kept.jsonl`` (SFT records with their ids, scores, intent and tier),
+``dropped.jsonl`` (every removed record with its stage and reason), ``funnel.json`` and
+``manifest.json``; ``cache/`` holds judge results for the next run.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+
+from posttrain.curate.config import CurateRecipe
+from posttrain.curate.dedup import Decisions
+from posttrain.curate.executor import run_tasks
+from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
+from posttrain.curate.stages import (
+    PARSE,
+    Segment,
+    ShardResult,
+    ShardSource,
+    ShardTask,
+    cached_stage,
+    enabled_stages,
+    plan_segments,
+    run_shard,
+)
+
+# Keys that do not change the curated data: left out of the config hash.
+_NOT_IN_CONFIG_HASH = {"output_dir", "executor", "progress", "data"}
+
+
+def plan_shards(paths: list[str], shard_size: int) -> tuple[list[ShardSource], int]:
+    """Cut the input files into shards of ``shard_size`` lines by byte offset (one streaming pass)."""
+    shards: list[ShardSource] = []
+    index = 0
+    for path in paths:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"{path}: input file not found (data.input)")
+        with open(path, "rb") as handle:
+            start = offset = 0
+            first_line, count = 1, 0
+            for line_number, line in enumerate(handle, start=1):
+                offset += len(line)
+                count += 1
+                if count == shard_size:
+                    shards.append(ShardSource(path, start, offset, first_line, index))
+                    index += count
+                    start, first_line, count = offset, line_number + 1, 0
+            if count:
+                shards.append(ShardSource(path, start, offset, first_line, index))
+                index += count
+    return shards, index
+
+
+def _runs_large_model(segment: Segment, config: CurateRecipe) -> bool:
+    """Segments with an LLM judge or an IFD reference model run in this process: one model copy."""
+    llm_judge = "judge" in segment.row_stages and config.judge.kind == "llm"
+    ifd = "difficulty" in segment.row_stages and config.difficulty.ifd is not None
+    return llm_judge or ifd
+
+
+def _decide(
+    segment: Segment, results: list[ShardResult], config: CurateRecipe, funnel: Funnel, cache_dir: str
+) -> list[list[tuple[str, Decisions]]]:
+    """Run the global stages of a segment in the parent; return each shard's decisions (local positions)."""
+    ids = [row_id for result in results for row_id in result.ids]
+    offsets = np.cumsum([0] + [len(result.ids) for result in results])
+    alive = np.ones(len(ids), dtype=bool)
+    per_shard: list[list[tuple[str, Decisions]]] = [[] for _ in results]
+    for name in segment.global_stages:
+        features = np.concatenate([result.features[name] for result in results]) if results else np.zeros(0)
+        positions = np.flatnonzero(alive)
+        stage = cached_stage(name, config, cache_dir)
+        decisions = stage.decide(features[positions], [ids[p] for p in positions])
+        reasons = Counter(drop.reason for drop in decisions.drops.values())
+        funnel.add(name, len(positions), len(positions) - len(decisions.drops), reasons)
+        shard_decisions = [Decisions() for _ in results]
+        for local, drop in decisions.drops.items():
+            position = int(positions[local])
+            alive[position] = False
+            shard = int(np.searchsorted(offsets, position, side="right")) - 1
+            shard_decisions[shard].drops[position - int(offsets[shard])] = drop
+        for local, notes in decisions.annotations.items():
+            position = int(positions[local])
+            shard = int(np.searchsorted(offsets, position, side="right")) - 1
+            shard_decisions[shard].annotations[position - int(offsets[shard])] = notes
+        for shard, decision in enumerate(shard_decisions):
+            per_shard[shard].append((name, decision))
+    return per_shard
+
+
+def _concatenate(parts: list[str], target: Path) -> int:
+    lines = 0
+    with open(target, "wb") as out:
+        for part in parts:
+            with open(part, "rb") as handle:
+                for line in handle:
+                    out.write(line)
+                    lines += 1
+    return lines
+
+
+def curate(config: CurateRecipe) -> dict:
+    """Run the pipeline; return the manifest (the funnel is in ``manifest["funnel"]``)."""
+    output = Path(config.output_dir)
+    work = output / ".work"
+    if work.exists():
+        shutil.rmtree(work)
+    work.mkdir(parents=True)
+    cache_dir = str(output / "cache")
+    sources, total = plan_shards(config.data.paths(), config.executor.shard_size)
+    stages = enabled_stages(config)
+    funnel = Funnel([PARSE, *stages])
+    funnel.input = total
+    decisions: list[list[tuple[str, Decisions]]] = [[] for _ in sources]
+    results: list[ShardResult] = []
+    dropped_parts: list[str] = []
+    for segment in plan_segments(stages):
+        tasks = [
+            ShardTask(
+                shard=shard,
+                segment=segment,
+                config=config,
+                work_dir=str(work),
+                cache_dir=cache_dir,
+                source=sources[shard] if segment.index == 0 else None,
+                rows_path=results[shard].rows_path if segment.index > 0 else None,
+                decisions=decisions[shard],
+            )
+            for shard in range(len(sources))
+        ]
+        label = "+".join(segment.row_stages + segment.global_stages) or "write"
+        desc = f"curate [{label}]" if segment.index else f"curate [parse+{label}]"
+        inline = _runs_large_model(segment, config)
+        results = run_tasks(run_shard, tasks, config.executor, desc, progress=config.progress, inline=inline)
+        for result in results:
+            funnel.merge(result.counts)
+            dropped_parts.append(result.dropped_path)
+        decisions = _decide(segment, results, config, funnel, cache_dir) if segment.global_stages else []
+    kept_path, dropped_path = output / "kept.jsonl", output / "dropped.jsonl"
+    kept = _concatenate([result.rows_path for result in results], kept_path)
+    _concatenate(dropped_parts, dropped_path)
+    funnel.check(kept)
+    summary = funnel.to_dict(kept)
+    (output / "funnel.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    manifest = write_manifest(
+        output,
+        "curate",
+        {"kept": kept_path, "dropped": dropped_path},
+        config.data.paths(),
+        config,
+        summary,
+        exclude=_NOT_IN_CONFIG_HASH,
+    )
+    shutil.rmtree(work)
+    return manifest
+
+
+def run_curate(config: CurateRecipe) -> int:
+    manifest = curate(config)
+    print(format_funnel(manifest["funnel"]))
+    print(f"kept → {Path(config.output_dir) / 'kept.jsonl'}  (dataset {manifest['dataset_id']})")
+    print(f"dropped → {Path(config.output_dir) / 'dropped.jsonl'}; funnel.json and manifest.json beside them")
+    return 0
