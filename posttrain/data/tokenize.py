@@ -9,8 +9,10 @@ How the mask is found, for any chat template that renders a conversation as a gr
    end-of-turn text. The span ends just after the tokenizer's EOS string when the turn contains it,
    otherwise at the turn's text with trailing whitespace removed (so ``<|im_end|>`` is trained, the
    newline the template puts between turns is not).
-3. Tokenise the full text once with ``return_offsets_mapping`` and label every token whose first
-   character lies inside a span (``labels = input_ids`` there, ``IGNORE_INDEX`` elsewhere).
+3. Tokenise the full text once with ``return_offsets_mapping`` and label every token that has at
+   least one character inside a span (``labels = input_ids`` there, ``IGNORE_INDEX`` elsewhere). A
+   token that straddles the span's start (BPE merged the template's ``" "`` with the first word, as
+   in ``"assistant: The"`` → ``" The"``) is trained: dropping it would never train the first word.
 
 The method needs the template to be *prefix-consistent*: each shorter rendering must be a prefix of
 the longer ones. Templates that rewrite earlier turns (e.g. dropping past reasoning) are not, and
@@ -152,20 +154,17 @@ def _assistant_spans(tokenizer, messages: list[dict[str, Any]], trained: Sequenc
     return spans
 
 
-_BOS_CACHE: dict[int, list[int]] = {}
-
-
 def _implicit_prefix(tokenizer) -> list[int]:
-    """Tokens the tokenizer puts in front of plain text on its own (usually ``[bos]``, often nothing)."""
-    key = id(tokenizer)
-    if key not in _BOS_CACHE:
-        plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-        with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-        prefix: list[int] = []
-        if len(with_special) > len(plain) and with_special[len(with_special) - len(plain):] == plain:
-            prefix = with_special[: len(with_special) - len(plain)]
-        _BOS_CACHE[key] = prefix
-    return _BOS_CACHE[key]
+    """Tokens the tokenizer puts in front of plain text on its own (usually ``[bos]``, often nothing).
+
+    Recomputed on every call (two one-character encodings) rather than cached, so a tokenizer whose
+    post-processor changes is never answered from a stale cache.
+    """
+    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
+    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
+    if len(with_special) > len(plain) and with_special[len(with_special) - len(plain):] == plain:
+        return list(with_special[: len(with_special) - len(plain)])
+    return []
 
 
 def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
@@ -175,12 +174,13 @@ def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
     ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
     labels = [IGNORE_INDEX] * len(ids)
     span_index = 0
-    for position, (start, _end) in enumerate(offsets):
+    for position, (start, end) in enumerate(offsets):
+        end = max(end, start + 1)  # a zero-width token counts at its position
         while span_index < len(spans) and start >= spans[span_index][1]:
             span_index += 1
         if span_index == len(spans):
             break
-        if spans[span_index][0] <= start < spans[span_index][1]:
+        if start < spans[span_index][1] and end > spans[span_index][0]:
             labels[position] = ids[position]
     prefix = _implicit_prefix(tokenizer)
     if prefix and ids[: len(prefix)] != prefix:

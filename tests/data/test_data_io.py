@@ -1,0 +1,202 @@
+"""Readers and writers: errors name file, line and field; quarantine accounts for every bad record;
+JSONL, JSON arrays, gzip, Parquet and saved HF datasets round-trip."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from posttrain.data.errors import DataError
+from posttrain.data.io import iter_jsonl, read_records, write_records
+from posttrain.data.records import PreferencePair, RLPrompt, SFTExample
+from posttrain.data.samples import sample_sft_records
+
+GOOD_SFT = {"messages": [{"role": "user", "content": "What is 1 plus 1?"}, {"role": "assistant", "content": "2"}]}
+GOOD_PAIR = {"prompt": "Name a fruit.", "chosen": "apple", "rejected": "chair", "rationale": "a chair is furniture"}
+
+# (name, bad line as bytes, expected field or None, expected category)
+BAD_LINES = [
+    ("malformed JSON", b'{"messages": [{"role": "user", "content": "hi"}', None, "malformed JSON"),
+    ("missing field", json.dumps({"messages": [{"role": "user", "content": "q"}, {"content": "a"}]}).encode(),
+     "messages[1].role", "missing field"),
+    ("mistyped field", json.dumps({"messages": [{"role": "user", "content": "q"},
+                                                {"role": "assistant", "content": ["a"]}]}).encode(),
+     "messages[1].content[0]", "wrong type"),
+    ("invalid UTF-8", b'{"messages": [{"role": "user", "content": "caf\xe9"}]}', None, "invalid UTF-8"),
+    ("empty message", json.dumps({"messages": [{"role": "user", "content": "q"},
+                                               {"role": "assistant", "content": "   "}]}).encode(),
+     "messages[1].content", "empty message"),
+    ("identical chosen/rejected", json.dumps({"prompt": "q", "chosen": "same", "rejected": "same"}).encode(),
+     "rejected", "identical chosen/rejected"),
+    ("empty prompt", json.dumps({"prompt": "  ", "chosen": "a", "rejected": "b"}).encode(), "prompt", "empty prompt"),
+]
+
+
+def write_lines(path, lines: list[bytes]) -> str:
+    path.write_bytes(b"".join(line + b"\n" for line in lines))
+    return str(path)
+
+
+def good(record: dict) -> bytes:
+    return json.dumps(record).encode()
+
+
+@pytest.mark.parametrize(("name", "bad", "field", "category"), BAD_LINES, ids=[b[0] for b in BAD_LINES])
+def test_raise_mode_names_file_line_and_field(tmp_path, name, bad, field, category):
+    path = write_lines(tmp_path / "data.jsonl", [good(GOOD_SFT), good(GOOD_PAIR), bad, good(GOOD_SFT)])
+    with pytest.raises(DataError) as info:
+        read_records(path, progress=False)
+    error = info.value
+    assert (error.path, error.line, error.field) == (path, 3, field)
+    assert str(error).startswith(f"{path}:3: ")
+    if field:
+        assert f"`{field}`" in str(error)
+
+
+def test_quarantine_writes_every_bad_record_with_its_reason(tmp_path):
+    lines = [good(GOOD_SFT)]
+    for _, bad, _, _ in BAD_LINES:
+        lines += [bad, good(GOOD_PAIR)]
+    path = write_lines(tmp_path / "data.jsonl", lines)
+    quarantine = tmp_path / "out" / "quarantine.jsonl"
+    quarantine.parent.mkdir()
+    records, report = read_records(path, on_error="quarantine", quarantine_path=str(quarantine), progress=False)
+
+    assert report.read == len(lines) == report.accepted + report.quarantined
+    assert report.quarantined == len(BAD_LINES) and len(records) == report.accepted == 1 + len(BAD_LINES)
+    assert dict(report.reasons) == {category: 1 for *_, category in BAD_LINES}
+    entries = [json.loads(line) for line in quarantine.read_text(encoding="utf-8").splitlines()]
+    assert [entry["line"] for entry in entries] == [2 + 2 * i for i in range(len(BAD_LINES))]
+    assert [entry["field"] for entry in entries] == [field for _, _, field, _ in BAD_LINES]
+    assert all(entry["reason"] and entry["file"] == path for entry in entries)
+    assert "caf\\xe9" in entries[3]["raw"]  # the undecodable byte is shown, not lost
+    assert "quarantined 7" in report.summary() and str(quarantine) in report.summary()
+
+
+def test_quarantine_without_a_file_still_counts(tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [good(GOOD_SFT), BAD_LINES[0][1]])
+    records, report = read_records(path, on_error="quarantine", progress=False)
+    assert (report.read, report.accepted, report.quarantined) == (2, 1, 1)
+    assert report.example_lines["malformed JSON"] == [2]
+    assert "(not saved)" in report.summary()
+
+
+def test_clean_read_creates_no_quarantine_file(tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [good(GOOD_SFT)])
+    quarantine = tmp_path / "q.jsonl"
+    read_records(path, on_error="quarantine", quarantine_path=str(quarantine), progress=False)
+    assert not quarantine.exists()
+
+
+def test_wrong_kind_is_an_error(tmp_path):
+    path = write_lines(tmp_path / "pairs.jsonl", [good(GOOD_PAIR)])
+    with pytest.raises(DataError, match=r"pairs.jsonl:1: a 'preference' record .* where 'sft' records"):
+        read_records(path, kind="sft", progress=False)
+    _, report = read_records(path, kind="sft", on_error="quarantine", progress=False)
+    assert report.reasons == {"wrong record kind": 1}
+
+
+def test_forced_format_applies_to_every_record(tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [good(GOOD_PAIR), good(GOOD_SFT)])
+    with pytest.raises(DataError) as info:
+        read_records(path, fmt="preference", progress=False)
+    assert (info.value.line, info.value.field) == (2, "prompt")
+
+
+def test_blank_lines_are_skipped_and_reported(tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [good(GOOD_SFT), b"", b"  ", good(GOOD_SFT)])
+    records, report = read_records(path, progress=False)
+    assert (report.read, report.blank_lines, len(records)) == (2, 2, 2)
+
+
+def test_line_numbers_count_blank_lines_and_a_bom(tmp_path):
+    path = write_lines(tmp_path / "data.jsonl", [b"\xef\xbb\xbf" + good(GOOD_SFT), b"", b"{oops"])
+    with pytest.raises(DataError) as info:
+        read_records(path, progress=False)
+    assert info.value.line == 3
+
+
+def test_iter_jsonl_raises_on_a_malformed_line(tmp_path):
+    path = write_lines(tmp_path / "x.jsonl", [b'{"a": 1}', b"[1, 2]"])
+    iterator = iter_jsonl(path)
+    assert next(iterator) == (1, {"a": 1})
+    with pytest.raises(DataError, match=r"x.jsonl:2: expected a JSON object, got list"):
+        next(iterator)
+
+
+def test_json_array_file_with_line_numbers(tmp_path):
+    path = tmp_path / "alpaca.json"
+    path.write_text('[\n  {"instruction": "Say hi", "output": "hi"},\n  {"instruction": "", "output": "x"}\n]\n')
+    with pytest.raises(DataError) as info:
+        read_records(str(path), progress=False)
+    assert (info.value.line, info.value.field) == (3, "instruction")
+    records, report = read_records(str(path), on_error="quarantine", progress=False)
+    assert report.formats == {"alpaca": 1} and report.quarantined == 1
+
+
+def test_unsupported_suffix_and_missing_file(tmp_path):
+    (tmp_path / "data.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match="unsupported file type '.csv'"):
+        read_records(str(tmp_path / "data.csv"))
+    with pytest.raises(FileNotFoundError):
+        read_records(str(tmp_path / "nothing.jsonl"))
+
+
+def _mixed_records():
+    sft = sample_sft_records(5, seed=3)
+    sft[0].meta["nested"] = {"list": [1, 2], "text": "é"}
+    pair = PreferencePair(prompt=[{"role": "user", "content": "q"}], chosen=[{"role": "assistant", "content": "a"}],
+                          rejected=[{"role": "assistant", "content": "b"}], rationale="a is right",
+                          chosen_score=1.0, tier=2)
+    rl = RLPrompt(prompt=[{"role": "user", "content": "2+2?"}], answer="4", verifier="exact", difficulty=0.3)
+    return [*sft, pair, rl]
+
+
+@pytest.mark.parametrize("name", ["data.jsonl", "data.jsonl.gz", "data.parquet"])
+def test_write_then_read_round_trips(tmp_path, name):
+    records = _mixed_records()
+    path = str(tmp_path / name)
+    write_records(path, records)
+    back, report = read_records(path, progress=False)
+    assert back == records
+    assert report.kinds == {"sft": 5, "preference": 1, "rl": 1}
+    if name.endswith(".gz"):
+        assert gzip.open(path).readline().startswith(b"{")
+
+
+def test_saved_hf_dataset_round_trips(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    records = sample_sft_records(6)
+    rows = [{"messages": [m.model_dump() for m in r.messages], "id": r.id, "tier": r.tier,
+             "difficulty": r.difficulty, "meta": json.dumps(r.meta)} for r in records]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "ds"))
+    back, report = read_records(str(tmp_path / "ds"), kind="sft", progress=False)
+    assert back == records and report.read == 6
+
+
+def test_saved_dataset_dict_needs_one_split(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    split = datasets.Dataset.from_list([GOOD_SFT])
+    datasets.DatasetDict({"train": split, "test": split}).save_to_disk(str(tmp_path / "dd"))
+    with pytest.raises(DataError, match="point at one split"):
+        read_records(str(tmp_path / "dd"), progress=False)
+    records, _ = read_records(str(tmp_path / "dd" / "train"), progress=False)
+    assert isinstance(records[0], SFTExample)
+
+
+def test_parquet_errors_name_the_row(tmp_path):
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    table = pa.Table.from_pylist([GOOD_PAIR, dict(GOOD_PAIR, rejected=GOOD_PAIR["chosen"])])
+    pq.write_table(table, tmp_path / "pairs.parquet")
+    with pytest.raises(DataError) as info:
+        read_records(str(tmp_path / "pairs.parquet"), progress=False)
+    assert (info.value.line, info.value.field) == (2, "rejected")
+
+
+def test_write_refuses_unknown_suffix(tmp_path):
+    with pytest.raises(ValueError, match="use .jsonl or .parquet"):
+        write_records(str(tmp_path / "x.csv"), [])
