@@ -79,7 +79,7 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("--suite is required (a registered suite name or a suite file)")
     if not (args.model or args.outputs):
         return _fail("give --model DIR (generate and score) or --outputs FILE (score given outputs)")
-    from posttrain.eval.harness import evaluate
+    from posttrain.eval.harness import MissingOutputs, evaluate
     from posttrain.eval.items import load_suite
     from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable
 
@@ -87,7 +87,10 @@ def _run(args: argparse.Namespace) -> int:
     limits = SandboxLimits(timeout_s=args.code_timeout, cpu_s=max(1, int(args.code_timeout)),
                            memory_mb=args.code_memory_mb)
     params = sampling_from_args(args)
-    source = backend_from_args(args) if args.model else args.outputs
+    try:
+        source = backend_from_args(args) if args.model else args.outputs
+    except ImportError as exc:  # an optional backend that is not installed: the message says what to do
+        return _fail(str(exc))
     try:
         results = evaluate(
             source, suite, params,
@@ -96,7 +99,7 @@ def _run(args: argparse.Namespace) -> int:
             sandbox_limits=limits, code_workers=args.code_workers, model_name=args.model,
             progress=not args.quiet,
         )
-    except SandboxUnavailable as exc:
+    except (SandboxUnavailable, MissingOutputs) as exc:
         return _fail(str(exc))
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
@@ -111,12 +114,12 @@ def format_scores(results: dict) -> str:
     scores = results["scores"]
     lines = [f"suite {results['suite']}: {results['counts']['passed']}/{results['counts']['items']} items passed"]
     composite = scores["composite"]
-    lines.append(f"  composite index  {composite['score']:6.1f}  95% CI [{composite['ci_low']:.1f}, {composite['ci_high']:.1f}]")
+    lines.append(f"  {'composite index':<28} {composite['score']:6.1f}  95% CI [{composite['ci_low']:.1f}, {composite['ci_high']:.1f}]")
     for kind in ("groups", "tiers"):
         for name, s in scores[kind].items():
             label = f"{kind[:-1]} {name}"
             weight = f"  weight {results['weights'][name]:.2f}" if kind == "groups" else ""
-            lines.append(f"  {label:<16} {s['score']:6.1f}  95% CI [{s['ci_low']:.1f}, {s['ci_high']:.1f}]  n={s['n']}{weight}")
+            lines.append(f"  {label:<28} {s['score']:6.1f}  95% CI [{s['ci_low']:.1f}, {s['ci_high']:.1f}]  n={s['n']}{weight}")
     counts = results["counts"]
     for key in ("missing_outputs", "unmatched_outputs", "verifier_errors"):
         if counts.get(key):

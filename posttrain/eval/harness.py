@@ -27,6 +27,10 @@ from posttrain.eval.stats import capability_scores
 from posttrain.eval.verifiers import CODE_SETTINGS, VerifyResult, verify
 from posttrain.generate.engine import Backend, SamplingParams
 
+class MissingOutputs(ValueError):
+    """Some suite items have no output and the caller did not allow scoring them 0."""
+
+
 DEFAULT_EVAL_PARAMS = SamplingParams(n=1, temperature=0.0, max_new_tokens=256)
 
 
@@ -122,7 +126,7 @@ def evaluate(
 
     missing = [item.id for item in suite.items if item.id not in outputs]
     if missing and not allow_missing:
-        raise ValueError(
+        raise MissingOutputs(
             f"{len(missing)} of {len(suite.items)} suite items have no output (first: {', '.join(missing[:5])}); "
             "pass allow_missing (CLI: --allow-missing) to score them 0"
         )

@@ -113,7 +113,11 @@ def _generate(args: argparse.Namespace) -> int:
     if not prompts:
         print(f"posttrain generate: {args.prompts}: no prompts", file=sys.stderr)
         return 2
-    backend = backend_from_args(args)
+    try:
+        backend = backend_from_args(args)
+    except ImportError as exc:  # an optional backend that is not installed: the message says what to do
+        print(f"posttrain generate: {exc}", file=sys.stderr)
+        return 2
     inputs = [[Message(role="user", content=p)] if args.chat and isinstance(p, str) else p for _, p in prompts]
     started = time.perf_counter()
     results = backend.generate(inputs, params, batch_size=args.batch_size, progress=not args.quiet)

@@ -16,11 +16,15 @@ INSTALL_HINT = (
 )
 
 
+class VLLMUnavailable(ImportError):
+    """vLLM is not installed; the message says how to install it or which backend to use instead."""
+
+
 def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
+        raise VLLMUnavailable(INSTALL_HINT) from exc
     return vllm
 
 
