@@ -99,11 +99,11 @@ class NearDedupConfig(StrictModel):
     num_perm: int = Field(default=112, ge=1)
     bands: int = Field(default=14, ge=1)
     rows: int = Field(default=8, ge=1)
-    verify_threshold: float | None = Field(
-        default=0.7,
-        ge=0,
-        le=1,
-        description="Drop LSH candidates whose MinHash Jaccard estimate is below this; null keeps all.",
+    threshold: float = Field(default=0.8, gt=0, le=1, description="Jaccard similarity at which texts are duplicates.")
+    verify: Literal["exact", "estimate", "none"] = Field(
+        default="exact",
+        description="How LSH candidates are checked against the threshold: exact shingle-set Jaccard, "
+        "the MinHash estimate, or not at all (every candidate is a duplicate).",
     )
     max_bucket: int = Field(default=64, ge=2, description="Larger LSH buckets pair members with the first only.")
     seed: int = 0

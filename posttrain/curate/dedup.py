@@ -2,10 +2,12 @@
 
 Deduplication needs a global view, so each stage has two halves:
 
-- ``features(rows)`` runs in the workers, shard by shard, and returns a compact array per row
-  (a 64-bit hash, a ``uint32`` MinHash signature, or an embedding);
-- ``decide(features, ids)`` runs once in the parent over the concatenated arrays (in input order)
+- ``features(rows, scratch)`` runs in the workers, shard by shard, and returns compact arrays per
+  row (a 64-bit hash, a ``uint32`` MinHash signature, or an embedding); bulky data the parent only
+  needs for a few rows (shingle sets) goes to files under the ``scratch`` prefix instead;
+- ``decide(shard_features, alive, ids)`` runs once in the parent over all shards (in input order)
   and returns which rows to drop, with the reason and the id of the row each one duplicates.
+  ``alive`` masks out rows an earlier global stage already dropped.
 
 The first occurrence in input order is always the one kept, so the result does not depend on the
 number of workers or the shard size.
@@ -55,18 +57,35 @@ class ExactDedupStage:
     def __init__(self, config: ExactDedupConfig):
         self.config = config
 
-    def features(self, rows: list[Row]) -> np.ndarray:
+    def features(self, rows: list[Row], scratch: str) -> np.ndarray:
         return exact_hashes([row.text(self.config.fields) for row in rows])
 
-    def decide(self, features: np.ndarray, ids: Sequence[str]) -> Decisions:
+    def decide(self, shard_features: list[np.ndarray], alive: np.ndarray, ids: Sequence[str]) -> Decisions:
         decisions = Decisions()
-        if features.size == 0:
+        positions = np.flatnonzero(alive)
+        if positions.size == 0:
             return decisions
-        _, first, inverse = np.unique(features, return_index=True, return_inverse=True)
-        original = first[inverse]
-        for position in np.flatnonzero(original != np.arange(features.size)):
-            decisions.drops[int(position)] = Drop("exact_duplicate", f"same text as {ids[original[position]]}")
+        hashes = np.concatenate(shard_features)[positions]
+        _, first, inverse = np.unique(hashes, return_index=True, return_inverse=True)
+        original = positions[first[inverse]]  # the first alive row with the same hash
+        for position, source in zip(positions, original, strict=True):
+            if source != position:
+                decisions.drops[int(position)] = Drop("exact_duplicate", f"same text as {ids[source]}")
         return decisions
+
+
+class ShingleSets:
+    """Each row's sorted shingle hashes, read lazily from the workers' per-shard files."""
+
+    def __init__(self, shard_features: list[dict[str, Any]]):
+        self.files = [(np.load(f["values"], mmap_mode="r"), np.load(f["offsets"])) for f in shard_features]
+        self.starts = np.cumsum([0] + [len(offsets) - 1 for _, offsets in self.files])
+
+    def __call__(self, position: int) -> np.ndarray:
+        shard = int(np.searchsorted(self.starts, position, side="right")) - 1
+        values, offsets = self.files[shard]
+        local = position - int(self.starts[shard])
+        return np.asarray(values[offsets[local] : offsets[local + 1]])
 
 
 class NearDedupStage:
@@ -76,25 +95,33 @@ class NearDedupStage:
         self.config = config
         self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed)
 
-    def features(self, rows: list[Row]) -> np.ndarray:
-        return self.hasher.signatures([row.text(self.config.fields) for row in rows])
+    def features(self, rows: list[Row], scratch: str) -> dict[str, Any]:
+        exact = self.config.verify == "exact"
+        signatures, values, offsets = self.hasher.sign([row.text(self.config.fields) for row in rows], exact)
+        features: dict[str, Any] = {"signatures": signatures}
+        if exact:
+            np.save(f"{scratch}-shingles.npy", values)
+            np.save(f"{scratch}-offsets.npy", offsets)
+            features.update(values=f"{scratch}-shingles.npy", offsets=f"{scratch}-offsets.npy")
+        return features
 
-    def decide(self, features: np.ndarray, ids: Sequence[str]) -> Decisions:
+    def decide(self, shard_features: list[dict[str, Any]], alive: np.ndarray, ids: Sequence[str]) -> Decisions:
         decisions = Decisions()
-        if features.shape[0] < 2:
+        if alive.sum() < 2:
             return decisions
-        nonempty = features[:, 0] != np.uint32(0xFFFFFFFF)  # texts without a word never match
+        signatures = np.concatenate([f["signatures"] for f in shard_features])
+        valid = alive & (signatures[:, 0] != np.uint32(0xFFFFFFFF))  # a text without words matches nothing
         labels, pairs = near_duplicate_clusters(
-            features,
+            signatures,
             self.config.bands,
             self.config.rows,
-            self.config.verify_threshold,
-            valid=nonempty,
+            self.config.threshold,
+            verify=self.config.verify,
+            shingle_set_of=ShingleSets(shard_features) if self.config.verify == "exact" else None,
+            valid=valid,
             max_bucket=self.config.max_bucket,
         )
-        in_cluster = np.zeros(labels.size, dtype=bool)
-        in_cluster[pairs.ravel()] = True
-        for position in np.flatnonzero(in_cluster):
+        for position in np.unique(pairs.ravel()):
             representative = int(labels[position])
             decisions.annotations[int(position)] = {"near_dup_cluster": ids[representative]}
             if representative != position:
@@ -107,7 +134,7 @@ def similar_pairs(embeddings: np.ndarray, threshold: float, block_size: int = 40
 
     Exact and ``O(n²·d)``: fine up to ~10⁵ rows on CPU; beyond that, cluster first or use an ANN index.
     """
-    pieces = []
+    pieces = [np.zeros((0, 2), dtype=np.int64)]
     for start in range(0, embeddings.shape[0], block_size):
         block = embeddings[start : start + block_size]
         sims = block @ embeddings[: start + block.shape[0]].T  # rows of this block vs all earlier rows
@@ -115,7 +142,7 @@ def similar_pairs(embeddings: np.ndarray, threshold: float, block_size: int = 40
         rows = rows + start
         keep = cols < rows
         pieces.append(np.stack((cols[keep], rows[keep]), axis=1))
-    return np.concatenate(pieces) if pieces else np.zeros((0, 2), dtype=np.int64)
+    return np.concatenate(pieces)
 
 
 class SemanticDedupStage:
@@ -124,19 +151,21 @@ class SemanticDedupStage:
     def __init__(self, config: SemanticDedupConfig, embedding: EmbeddingConfig):
         self.config, self.embedding = config, embedding
 
-    def features(self, rows: list[Row]) -> np.ndarray:
+    def features(self, rows: list[Row], scratch: str) -> np.ndarray:
         from posttrain.curate.embed import embed_texts
 
         texts = [row.text(self.config.fields) for row in rows]
         return embed_texts(texts, self.embedding.model, self.embedding.batch_size, self.embedding.max_length)
 
-    def decide(self, features: np.ndarray, ids: Sequence[str]) -> Decisions:
+    def decide(self, shard_features: list[np.ndarray], alive: np.ndarray, ids: Sequence[str]) -> Decisions:
         decisions = Decisions()
-        if features.shape[0] < 2:
+        positions = np.flatnonzero(alive)
+        if positions.size < 2:
             return decisions
-        pairs = similar_pairs(features, self.config.threshold, self.config.block_size)
-        labels = connected_components(features.shape[0], pairs)
-        for position in np.flatnonzero(labels != np.arange(labels.size)):
-            representative = int(labels[position])
-            decisions.drops[int(position)] = Drop("semantic_duplicate", f"cluster of {ids[representative]}")
+        embeddings = np.concatenate(shard_features)[positions]
+        pairs = similar_pairs(embeddings, self.config.threshold, self.config.block_size)
+        labels = connected_components(positions.size, pairs)
+        for local in np.flatnonzero(labels != np.arange(labels.size)):
+            representative = positions[labels[local]]
+            decisions.drops[int(positions[local])] = Drop("semantic_duplicate", f"cluster of {ids[representative]}")
         return decisions

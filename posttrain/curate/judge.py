@@ -213,7 +213,7 @@ class JudgeCache:
         self.path = Path(path) if path else None
         self.entries: dict[str, Judgement] = {}
         if self.path and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").splitlines():
+            for line in self.path.read_text(encoding="utf-8").split("\n"):
                 try:
                     data = json.loads(line)
                     self.entries[data.pop("key")] = Judgement(**data)

@@ -18,9 +18,11 @@ clustering) runs once in the parent on compact ``uint32`` arrays:
    when all rows of any band agree, which happens with probability ``1 - (1 - s^r)^b`` at Jaccard
    ``s`` (Leskovec, Rajaraman & Ullman, *Mining of Massive Datasets*, ch. 3.4). Default 14 × 8 puts
    the S-curve's steep part around 0.72, so pairs at Jaccard ≥ 0.8 are found with probability ≥ 0.92.
-5. ``verify_pairs`` keeps candidates whose signature agreement (the Jaccard estimate) reaches a
-   threshold, removing the chance collisions banding lets through; ``connected_components`` groups
-   the verified pairs into duplicate clusters.
+5. Verification keeps candidates whose Jaccard similarity reaches the threshold, removing the
+   chance collisions banding lets through: exactly, from each text's set of shingle hashes
+   (``exact_jaccard``; the default), or from the signature agreement (``signature_agreement``, a
+   MinHash estimate with standard deviation ``sqrt(J(1-J)/num_perm)``, about 0.04 at 112
+   permutations). ``connected_components`` groups the verified pairs into duplicate clusters.
 
 Hash family. Instead of ``(a·x + b) mod p`` with the Mersenne prime ``p = 2^61 - 1`` (which needs a
 128-bit product to be exact), we use Dietzfelbinger's multiply-add-shift scheme
@@ -149,7 +151,8 @@ class MinHasher:
         combined = words * self._shingle_mult[0]
         partial_by_len = [combined.copy()] if k > 1 else []
         for j in range(1, k):
-            combined[: n_words - j] += words[j:] * self._shingle_mult[j]
+            if j < n_words:
+                combined[: n_words - j] += words[j:] * self._shingle_mult[j]
             if j < k - 1:
                 partial_by_len.append(combined.copy())
         # A full shingle starts at i when its k-th word belongs to the same text.
@@ -175,7 +178,15 @@ class MinHasher:
     # -- signatures ---------------------------------------------------------------------------
     def signatures(self, texts: Sequence[str]) -> np.ndarray:
         """MinHash signatures ``[n, num_perm]`` uint32; a text without words gets all ``0xFFFFFFFF``."""
+        return self.sign(texts, with_sets=False)[0]
+
+    def sign(self, texts: Sequence[str], with_sets: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """``(signatures [n, num_perm], set_values, set_offsets)``: also each text's shingle set, as
+        sorted unique 32-bit hashes ``set_values[set_offsets[i]:set_offsets[i+1]]`` (empty arrays
+        when ``with_sets`` is false), for exact Jaccard verification of candidate pairs."""
         out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        set_parts: list[np.ndarray] = []
+        set_sizes = np.zeros(len(texts), dtype=np.int64)
         lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
         ends = np.cumsum(lengths)
         first = 0
@@ -185,8 +196,14 @@ class MinHasher:
             last = max(int(np.searchsorted(ends, base + self.batch_bytes, side="right")), first + 1)
             shingles, counts = self.shingle_hashes(texts[first:last])
             out[first:last] = self.signatures_from_shingles(shingles, counts)
+            if with_sets:
+                values, sizes = unique_per_text(shingles, counts)
+                set_parts.append(values.astype(np.uint32))
+                set_sizes[first:last] = sizes
             first = last
-        return out
+        values = np.concatenate(set_parts) if set_parts else np.zeros(0, np.uint32)
+        offsets = np.concatenate(([0], np.cumsum(set_sizes))).astype(np.int64)
+        return out, values, offsets
 
     def signatures_from_shingles(self, shingles: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Min over shingles of ``(a·x + b) mod 2^64``, shifted to 32 bits: ``[n, num_perm]`` uint32."""
@@ -210,6 +227,27 @@ class MinHasher:
             out[nonempty[first:last]] = (mins >> np.uint64(32)).astype(np.uint32)
             first = last
         return out
+
+
+def unique_per_text(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sort and deduplicate each text's segment of ``values``: ``(values, new counts)``."""
+    owner = np.repeat(np.arange(counts.size), counts)
+    order = np.lexsort((values, owner))
+    values, owner = values[order], owner[order]
+    keep = np.ones(values.size, dtype=bool)
+    keep[1:] = (values[1:] != values[:-1]) | (owner[1:] != owner[:-1])
+    return values[keep], np.bincount(owner[keep], minlength=counts.size).astype(np.int64)
+
+
+def exact_jaccard(pairs: np.ndarray, shingle_set_of) -> np.ndarray:
+    """Exact Jaccard of each pair from the texts' sorted unique shingle hashes (``shingle_set_of(i)``)."""
+    out = np.empty(pairs.shape[0], dtype=np.float64)
+    for position, (i, j) in enumerate(pairs):
+        a, b = shingle_set_of(int(i)), shingle_set_of(int(j))
+        shared = np.intersect1d(a, b, assume_unique=True).size
+        union = a.size + b.size - shared
+        out[position] = shared / union if union else 0.0
+    return out
 
 
 # -- LSH banding, verification and clustering (the global half, run in the parent) -------------
@@ -299,17 +337,26 @@ def near_duplicate_clusters(
     signatures: np.ndarray,
     bands: int,
     rows: int,
-    verify_threshold: float | None,
+    threshold: float,
+    verify: str = "estimate",
+    shingle_set_of=None,
     valid: np.ndarray | None = None,
     max_bucket: int = 64,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cluster texts into near-duplicate groups. Returns ``(labels [n], verified_pairs [m, 2])``.
 
     ``labels[i]`` is the smallest index in ``i``'s cluster (so ``labels[i] == i`` marks the
-    representative, the first occurrence). Pairs whose Jaccard estimate is below
-    ``verify_threshold`` are discarded before clustering (``None`` keeps every candidate).
+    representative, the first occurrence). Candidate pairs are kept when their Jaccard similarity
+    reaches ``threshold``: ``verify="exact"`` computes it from the shingle sets (``shingle_set_of``),
+    ``"estimate"`` uses the signature agreement, ``"none"`` keeps every LSH candidate.
     """
     pairs = lsh_candidate_pairs(signatures, bands, rows, max_bucket=max_bucket, valid=valid)
-    if verify_threshold is not None and pairs.size:
-        pairs = pairs[signature_agreement(signatures, pairs) >= verify_threshold]
+    if pairs.size and verify == "exact":
+        if shingle_set_of is None:
+            raise ValueError("verify='exact' needs shingle_set_of")
+        pairs = pairs[exact_jaccard(pairs, shingle_set_of) >= threshold]
+    elif pairs.size and verify == "estimate":
+        pairs = pairs[signature_agreement(signatures, pairs) >= threshold]
+    elif verify not in ("exact", "estimate", "none"):
+        raise ValueError(f"verify must be exact, estimate or none (got {verify!r})")
     return connected_components(signatures.shape[0], pairs), pairs

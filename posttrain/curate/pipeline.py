@@ -26,6 +26,7 @@ from posttrain.curate.stages import (
     ShardTask,
     cached_stage,
     enabled_stages,
+    merge_dropped,
     plan_segments,
     run_shard,
 )
@@ -73,20 +74,16 @@ def _decide(
     alive = np.ones(len(ids), dtype=bool)
     per_shard: list[list[tuple[str, Decisions]]] = [[] for _ in results]
     for name in segment.global_stages:
-        features = np.concatenate([result.features[name] for result in results]) if results else np.zeros(0)
-        positions = np.flatnonzero(alive)
+        seen = int(alive.sum())
         stage = cached_stage(name, config, cache_dir)
-        decisions = stage.decide(features[positions], [ids[p] for p in positions])
-        reasons = Counter(drop.reason for drop in decisions.drops.values())
-        funnel.add(name, len(positions), len(positions) - len(decisions.drops), reasons)
+        decisions = stage.decide([result.features[name] for result in results], alive.copy(), ids)
+        funnel.add(name, seen, seen - len(decisions.drops), Counter(d.reason for d in decisions.drops.values()))
         shard_decisions = [Decisions() for _ in results]
-        for local, drop in decisions.drops.items():
-            position = int(positions[local])
+        for position, drop in decisions.drops.items():
             alive[position] = False
             shard = int(np.searchsorted(offsets, position, side="right")) - 1
             shard_decisions[shard].drops[position - int(offsets[shard])] = drop
-        for local, notes in decisions.annotations.items():
-            position = int(positions[local])
+        for position, notes in decisions.annotations.items():
             shard = int(np.searchsorted(offsets, position, side="right")) - 1
             shard_decisions[shard].annotations[position - int(offsets[shard])] = notes
         for shard, decision in enumerate(shard_decisions):
@@ -144,7 +141,7 @@ def curate(config: CurateRecipe) -> dict:
         decisions = _decide(segment, results, config, funnel, cache_dir) if segment.global_stages else []
     kept_path, dropped_path = output / "kept.jsonl", output / "dropped.jsonl"
     kept = _concatenate([result.rows_path for result in results], kept_path)
-    _concatenate(dropped_parts, dropped_path)
+    merge_dropped(dropped_parts, dropped_path)
     funnel.check(kept)
     summary = funnel.to_dict(kept)
     (output / "funnel.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")

@@ -105,11 +105,12 @@ class RecordShapeError(ValueError):
         super().__init__(detail)
 
 
-def _as_messages(value: Any, where: str) -> list[dict[str, str]]:
-    if isinstance(value, str):
+def _as_messages(value: Any, where: str, allow_string: bool = False) -> list[dict[str, str]]:
+    if isinstance(value, str) and allow_string:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
-        raise RecordShapeError("bad_field", f"`{where}` must be a string or a non-empty list of messages")
+        expected = "a string or a non-empty list of messages" if allow_string else "a non-empty list of messages"
+        raise RecordShapeError("bad_field", f"`{where}` must be {expected}")
     messages = []
     for position, message in enumerate(value):
         if not isinstance(message, dict):
@@ -146,7 +147,7 @@ def record_to_chat(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], meta
     if "prompt" in record:
-        messages = _as_messages(record["prompt"], "prompt")
+        messages = _as_messages(record["prompt"], "prompt", allow_string=True)
         for key in _RESPONSE_KEYS:
             if key in record:
                 if not isinstance(record[key], str):

@@ -11,6 +11,7 @@ decisions. Memory per worker is bounded by the shard size.
 
 from __future__ import annotations
 
+import heapq
 import json
 import time
 from collections import Counter
@@ -41,9 +42,9 @@ class RowStage(Protocol):
 class GlobalStage(Protocol):
     name: str
 
-    def features(self, rows: list[Row]) -> np.ndarray: ...
+    def features(self, rows: list[Row], scratch: str) -> Any: ...
 
-    def decide(self, features: np.ndarray, ids: list[str]) -> Decisions: ...
+    def decide(self, shard_features: list[Any], alive: np.ndarray, ids: list[str]) -> Decisions: ...
 
 
 def enabled_stages(config: CurateRecipe) -> list[str]:
@@ -159,7 +160,7 @@ class ShardResult:
     shard: int
     counts: dict[str, tuple[int, int, dict[str, int]]]
     ids: list[str]
-    features: dict[str, np.ndarray]
+    features: dict[str, Any]
     rows_path: str
     dropped_path: str
     seconds: float
@@ -183,29 +184,33 @@ def run_shard(task: ShardTask) -> ShardResult:
     dropped_path = work / f"dropped-{segment.index:02d}-{task.shard:06d}.jsonl"
     rows_path = work / f"{'kept' if segment.final else 'rows'}-{segment.index:02d}-{task.shard:06d}.jsonl"
     counts: dict[str, tuple[int, int, dict[str, int]]] = {}
-    with open(dropped_path, "w", encoding="utf-8") as dropped:
-        if task.source is not None:
-            rows = _parse(task.source, counts, dropped)
-        else:
-            with open(task.rows_path, encoding="utf-8") as handle:  # type: ignore[arg-type]
-                rows = [row_from_json(line) for line in handle]
-        if task.decisions:
-            rows = _apply_decisions(rows, task.decisions, dropped)
-        for name in segment.row_stages:
-            stage = cached_stage(name, task.config, task.cache_dir)
-            verdicts = stage.apply(rows) if rows else []
-            kept: list[Row] = []
-            reasons: Counter = Counter()
-            for row, verdict in zip(rows, verdicts, strict=True):
-                if verdict is None:
-                    kept.append(row)
-                else:
-                    reasons[verdict.reason] += 1
-                    dropped.write(json.dumps(row.dropped_record(name, verdict), ensure_ascii=False) + "\n")
-            counts[name] = (len(rows), len(kept), dict(reasons))
-            rows = kept
+    dropped: list[tuple[int, str]] = []  # (input position, JSON), sorted before writing
+    if task.source is not None:
+        rows = _parse(task.source, counts, dropped)
+    else:
+        with open(task.rows_path, encoding="utf-8") as handle:  # type: ignore[arg-type]
+            rows = [row_from_json(line) for line in handle]
+    if task.decisions:
+        rows = _apply_decisions(rows, task.decisions, dropped)
+    for name in segment.row_stages:
+        stage = cached_stage(name, task.config, task.cache_dir)
+        verdicts = stage.apply(rows) if rows else []
+        kept: list[Row] = []
+        reasons: Counter = Counter()
+        for row, verdict in zip(rows, verdicts, strict=True):
+            if verdict is None:
+                kept.append(row)
+            else:
+                reasons[verdict.reason] += 1
+                write_dropped(dropped, row.index, row.dropped_record(name, verdict))
+        counts[name] = (len(rows), len(kept), dict(reasons))
+        rows = kept
+    _save_dropped(dropped, dropped_path)
     features = {
-        name: cached_stage(name, task.config, task.cache_dir).features(rows) for name in segment.global_stages
+        name: cached_stage(name, task.config, task.cache_dir).features(
+            rows, str(work / f"{name}-{segment.index:02d}-{task.shard:06d}")
+        )
+        for name in segment.global_stages
     }
     with open(rows_path, "w", encoding="utf-8") as out:
         for row in rows:
@@ -215,6 +220,34 @@ def run_shard(task: ShardTask) -> ShardResult:
         task.shard, counts, [row.id for row in rows], features, str(rows_path), str(dropped_path),
         time.perf_counter() - started,
     )  # fmt: skip
+
+
+def write_dropped(dropped: list[tuple[int, str]], index: int, record: dict) -> None:
+    dropped.append((index, json.dumps(record, ensure_ascii=False)))
+
+
+def _save_dropped(dropped: list[tuple[int, str]], path: Path) -> None:
+    """Part files carry the input position first, so the parent can merge them back into input order."""
+    dropped.sort(key=lambda entry: entry[0])
+    with open(path, "w", encoding="utf-8") as handle:
+        handle.writelines(f"{index}\t{text}\n" for index, text in dropped)
+
+
+def merge_dropped(parts: list[str], target: Path) -> int:
+    """Merge per-shard dropped files (each in input order) into one file in input order; streaming."""
+
+    def entries(path: str):
+        with open(path, encoding="utf-8") as handle:
+            for line in handle:
+                index, _, text = line.partition("\t")
+                yield int(index), text
+
+    count = 0
+    with open(target, "w", encoding="utf-8") as out:
+        for _, text in heapq.merge(*(entries(part) for part in parts), key=lambda entry: entry[0]):
+            out.write(text)
+            count += 1
+    return count
 
 
 def _parse(source: ShardSource, counts: dict, dropped) -> list[Row]:
@@ -232,8 +265,8 @@ def _parse(source: ShardSource, counts: dict, dropped) -> list[Row]:
         else:
             drop, text = parsed
             reasons[drop.reason] += 1
-            record = unparsed_dropped_record(source.path, line, PARSE, drop, text)
-            dropped.write(json.dumps(record, ensure_ascii=False) + "\n")
+            index = source.first_index + offset
+            write_dropped(dropped, index, unparsed_dropped_record(source.path, line, PARSE, drop, text))
     counts[PARSE] = (len(lines), len(rows), dict(reasons))
     return rows
 
@@ -246,7 +279,7 @@ def _apply_decisions(rows: list[Row], decisions: list[tuple[str, Decisions]], dr
             row.scores.update(decision.annotations.get(position, {}))
             drop = decision.drops.get(position)
             if drop is not None:
-                dropped.write(json.dumps(row.dropped_record(stage, drop), ensure_ascii=False) + "\n")
+                write_dropped(dropped, row.index, row.dropped_record(stage, drop))
                 break
         else:
             kept.append(row)
