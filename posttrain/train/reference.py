@@ -1,0 +1,223 @@
+"""Reference log-probs computed once, cached on disk, and the reference model freed before training.
+
+DPO-family losses compare the policy with a frozen reference on the *same* pairs every epoch, so the
+reference's summed response log-probs are a fixed function of (reference weights, tokenised pairs).
+``reference_logps`` computes them in one no-grad pass before training, writes them next to the data
+(``<data dir>/.posttrain_ref_cache/<data name>.<key>.safetensors``; under ``<output_dir>/ref_cache`` when
+that directory is not writable or the data is remote), and reuses the file on the next run with the
+same key. The reference model lives only inside ``compute_reference_logps``: it is deleted and
+garbage-collected before the function returns, so it is never resident during training.
+
+The cache key is a SHA-256 over: the reference model directory's files (names and contents), the data
+file's bytes, the tokenised pairs (every token id and label, so tokenizer, chat template, max_length
+and truncation are covered), and the settings that change the numbers (dtype, attention kernel,
+precision, batch layout). Any change gives a new key, hence a fresh pass; old files are left for the
+user to delete.
+
+Several ranks: each rank loads the full reference and computes every ``world``-th pair (a one-off, no
+sharding of the reference); the results are summed across ranks (each pair is filled by exactly one
+rank, the others contribute exact zeros) and rank 0 writes the file. A reference that does not fit
+one device unsharded is not supported by this pass; use ``dpo.reference=live`` or a smaller reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import fsspec
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from posttrain import dist
+from posttrain.models.load import load_model
+from posttrain.train.pairs import PairLogprobModel, TokenizedPair, collate_pairs, model_inputs, split_pairs
+
+CACHE_VERSION = 1
+_MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".pt", ".model", ".txt")
+
+
+@dataclass(frozen=True)
+class ReferenceSpec:
+    """How the reference is run: everything here changes the numbers, so all of it is in the cache key."""
+
+    path: str
+    dtype: str = "float32"
+    attn_implementation: str = "sdpa"
+    trust_remote_code: bool = False
+    autocast_bf16: bool = False
+    prefix_sharing: bool = True
+    batch_size: int = 16
+    chunk_size: int = 1024
+
+    def key_fields(self) -> dict:
+        return {
+            "dtype": self.dtype, "attn": self.attn_implementation, "autocast_bf16": self.autocast_bf16,
+            "prefix_sharing": self.prefix_sharing, "version": CACHE_VERSION,
+        }
+
+
+def _hash_stream(digest, handle) -> None:
+    for block in iter(lambda: handle.read(1 << 20), b""):
+        digest.update(block)
+
+
+def file_digest(path: str) -> str:
+    """SHA-256 of a local or fsspec file, or of every file under a directory (a saved dataset)."""
+    digest = hashlib.sha256()
+    fs, local = fsspec.core.url_to_fs(path)
+    files = sorted(fs.find(local)) if fs.isdir(local) else [local]
+    for name in files:
+        digest.update(os.path.relpath(name, local).encode() if name != local else b"")
+        with fs.open(name, "rb") as handle:
+            _hash_stream(digest, handle)
+    return digest.hexdigest()
+
+
+def model_digest(model_path: str) -> str:
+    """SHA-256 over the weight and config files of a local model directory (a hub id hashes as its name)."""
+    root = Path(model_path)
+    if not root.is_dir():
+        return hashlib.sha256(f"hub:{model_path}".encode()).hexdigest()
+    digest = hashlib.sha256()
+    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES):
+        digest.update(str(path.relative_to(root)).encode())
+        with open(path, "rb") as handle:
+            _hash_stream(digest, handle)
+    return digest.hexdigest()
+
+
+def pairs_digest(pairs: list[TokenizedPair]) -> str:
+    """SHA-256 over every pair's token ids and labels, in order."""
+    digest = hashlib.sha256()
+    for pair in pairs:
+        for example in (pair.chosen, pair.rejected):
+            digest.update(np.asarray(example.input_ids, dtype=np.int64).tobytes())
+            digest.update(np.asarray(example.labels, dtype=np.int64).tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def cache_key(spec: ReferenceSpec, data_path: str, pairs: list[TokenizedPair]) -> str:
+    parts = {
+        "model": model_digest(spec.path),
+        "data": file_digest(data_path),
+        "pairs": pairs_digest(pairs),
+        "settings": spec.key_fields(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
+
+
+def default_cache_dir(data_path: str, output_dir: str | Path) -> Path:
+    """Next to the data when it is a writable local path, else under the run's output directory."""
+    if "://" not in data_path:
+        parent = Path(data_path).resolve().parent
+        if os.access(parent, os.W_OK):
+            return parent / ".posttrain_ref_cache"
+    return Path(output_dir) / "ref_cache"
+
+
+def cache_file(cache_dir: Path, data_path: str, key: str) -> Path:
+    name = Path(data_path.rstrip("/")).name or "data"
+    return cache_dir / f"{name}.{key[:24]}.safetensors"
+
+
+def _read_cache(path: Path, key: str, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    if not path.exists():
+        return None
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        meta = handle.metadata() or {}
+    if meta.get("key") != key or meta.get("pairs") != str(count):
+        return None
+    tensors = load_file(str(path))
+    return tensors["chosen"], tensors["rejected"]
+
+
+def _write_cache(path: Path, key: str, chosen: torch.Tensor, rejected: torch.Tensor, spec: ReferenceSpec,
+                 data_path: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    staging = path.with_suffix(f".tmp{os.getpid()}")
+    meta = {"key": key, "pairs": str(chosen.numel()), "reference": spec.path, "data": data_path,
+            "settings": json.dumps(spec.key_fields(), sort_keys=True)}
+    save_file({"chosen": chosen.contiguous(), "rejected": rejected.contiguous()}, str(staging), metadata=meta)
+    os.replace(staging, path)  # atomic: a reader never sees half a file
+
+
+def _autocast(enabled: bool):
+    if not enabled:
+        return contextlib.nullcontext()
+    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+
+
+def compute_reference_logps(
+    spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, desc: str = "reference log-probs"
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One no-grad pass of the reference over ``pairs``: ``([N] chosen, [N] rejected)`` float32 sums.
+
+    Pairs are batched longest first (less padding); this rank computes every ``world``-th of them.
+    The reference model is freed before returning.
+    """
+    world, rank = dist.world_size(), dist.rank()
+    chosen = torch.zeros(len(pairs), dtype=torch.float32)
+    rejected = torch.zeros(len(pairs), dtype=torch.float32)
+    lm = load_model(spec.path, spec.dtype, spec.attn_implementation, spec.trust_remote_code, device=dist.device())
+    lm.config.use_cache = False
+    lm.eval().requires_grad_(False)
+    root = PairLogprobModel(lm, chunk_size=spec.chunk_size)
+    order = sorted(range(len(pairs)), key=lambda i: -pairs[i].row_tokens(spec.prefix_sharing))[rank::world]
+    batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
+    try:
+        with torch.no_grad(), _autocast(spec.autocast_bf16):
+            for indices in tqdm(batches, desc=desc, disable=not dist.is_main(), leave=False):
+                batch = collate_pairs([pairs[i] for i in indices], pad_token_id, spec.prefix_sharing)
+                values_c, values_r = split_pairs(root(**model_inputs(batch)).float().cpu())
+                chosen[indices] = values_c
+                rejected[indices] = values_r
+    finally:
+        # The reference must not stay resident while the policy trains.
+        del root, lm
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    packed = torch.stack([chosen, rejected]).to(dist.device())
+    dist.all_reduce_sum(packed)
+    packed = packed.cpu()
+    return packed[0].clone(), packed[1].clone()
+
+
+@dataclass
+class ReferenceResult:
+    chosen: torch.Tensor
+    rejected: torch.Tensor
+    path: Path
+    reused: bool
+
+
+def reference_logps(
+    spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, data_path: str, cache_dir: Path,
+    desc: str = "reference log-probs",
+) -> ReferenceResult:
+    """Cached reference log-probs for ``pairs`` of ``data_path``: read the cache, or compute and write it."""
+    key = dist.broadcast_object(cache_key(spec, data_path, pairs) if dist.is_main() else None)
+    path = cache_file(cache_dir, data_path, key)
+    cached = _read_cache(path, key, len(pairs)) if dist.is_main() else None
+    reused = bool(dist.broadcast_object(cached is not None))
+    if reused:
+        if cached is None:  # the other ranks read the file rank 0 validated
+            tensors = load_file(str(path))
+            cached = tensors["chosen"], tensors["rejected"]
+        return ReferenceResult(cached[0], cached[1], path, True)
+    chosen, rejected = compute_reference_logps(spec, pairs, pad_token_id, desc)
+    if dist.is_main():
+        _write_cache(path, key, chosen, rejected, spec, data_path)
+    dist.barrier()
+    return ReferenceResult(chosen, rejected, path, False)
