@@ -12,6 +12,7 @@ and the read goes on (``on_error="quarantine"``). The ``ReadReport`` always adds
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -35,6 +36,8 @@ from posttrain.data.formats import (
     to_record,
 )
 from posttrain.data.records import RECORD_KINDS, Record
+
+logger = logging.getLogger("posttrain.data")
 
 OnError = Literal["raise", "quarantine"]
 _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
@@ -215,8 +218,7 @@ def _iter_saved_dataset(path: str) -> Iterator[tuple[int, dict]]:
             raise DataError(path, None, None, f"a saved DatasetDict with splits {splits}; point at one split, "
                             f"e.g. {path.rstrip('/')}/{splits[0]}")
         loaded = loaded[splits[0]]
-    for index, item in enumerate(loaded, start=1):
-        yield index, item
+    yield from enumerate(loaded, start=1)
 
 
 def _iter_source(path: str, report: ReadReport | None = None) -> Iterator[tuple[int, dict | _BadLine]]:
@@ -287,7 +289,8 @@ def read_records(
     ``kind`` (``"sft"``, ``"preference"``, ``"rl"``) makes records of another kind errors. ``fmt``
     forces a format instead of detecting it per record. With ``on_error="quarantine"`` bad records are
     appended to ``quarantine_path`` as ``{"file", "line", "field", "reason", "raw"}`` and the read goes
-    on; with ``quarantine_path=None`` they are only counted in the report.
+    on; with ``quarantine_path=None`` they are only counted in the report. The report's summary is
+    logged at the end (``posttrain.data`` logger; a warning when anything was quarantined).
     """
     path = str(path)
     if kind is not None and kind not in RECORD_KINDS:
@@ -322,6 +325,8 @@ def read_records(
     finally:
         quarantine.close()
     assert report.read == report.accepted + report.quarantined, report.summary()
+    # Quarantined records are a warning, so they show even where nobody configured logging.
+    logger.log(logging.WARNING if report.quarantined else logging.INFO, report.summary())
     return records, report
 
 

@@ -157,7 +157,7 @@ def _assistant_spans(tokenizer, messages: list[dict[str, Any]], trained: Sequenc
 def _implicit_prefix(tokenizer) -> list[int]:
     """Tokens the tokenizer puts in front of plain text on its own (usually ``[bos]``, often nothing).
 
-    Recomputed on every call (two one-character encodings) rather than cached, so a tokenizer whose
+    Computed per call (or per ``tokenize_records`` batch), never cached globally, so a tokenizer whose
     post-processor changes is never answered from a stale cache.
     """
     plain = tokenizer("a", add_special_tokens=False)["input_ids"]
@@ -167,11 +167,17 @@ def _implicit_prefix(tokenizer) -> list[int]:
     return []
 
 
-def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
+    """``(ids, char offsets)`` per text, one batched call (the Rust tokenizer parallelises batches)."""
     if not getattr(tokenizer, "is_fast", False):
         raise TemplateError(f"{type(tokenizer).__name__} is not a fast tokenizer; loss masks need offset mappings")
-    encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, offsets = list(encoded["input_ids"]), encoded["offset_mapping"]
+    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
+    return [(list(ids), offsets) for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+
+
+def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]], prefix: list[int]
+          ) -> tuple[list[int], list[int]]:
+    """Labels for ``ids``: the token id where the token overlaps a span, ``IGNORE_INDEX`` elsewhere."""
     labels = [IGNORE_INDEX] * len(ids)
     span_index = 0
     for position, (start, end) in enumerate(offsets):
@@ -182,11 +188,15 @@ def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tup
             break
         if start < spans[span_index][1] and end > spans[span_index][0]:
             labels[position] = ids[position]
-    prefix = _implicit_prefix(tokenizer)
     if prefix and ids[: len(prefix)] != prefix:
         ids = prefix + ids
         labels = [IGNORE_INDEX] * len(prefix) + labels
     return ids, labels
+
+
+def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
+    [(ids, offsets)] = _encode(tokenizer, [text])
+    return _mask(ids, offsets, spans, _implicit_prefix(tokenizer))
 
 
 def _check_side(truncation_side: str) -> None:
@@ -197,7 +207,8 @@ def _check_side(truncation_side: str) -> None:
 # ------------------------------------------------------------------------------------- public API
 
 
-def _chat_tokens(record_or_messages, tokenizer) -> tuple[list[int], list[int], str, int | None, float | None]:
+def _chat_plan(record_or_messages, tokenizer) -> tuple[str, list[tuple[int, int]], str, int | None, float | None]:
+    """The rendered chat, its assistant spans, and the record's id/tier/difficulty."""
     if isinstance(record_or_messages, SFTExample):
         record = record_or_messages
         messages, example_id, tier, difficulty = _as_dicts(record.messages), record.id, record.tier, record.difficulty
@@ -206,8 +217,7 @@ def _chat_tokens(record_or_messages, tokenizer) -> tuple[list[int], list[int], s
         example_id, tier, difficulty = stable_id(messages, "sft-"), None, None
     full = _render(tokenizer, messages, add_generation_prompt=False)
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    ids, labels = _encode_with_mask(tokenizer, full, _assistant_spans(tokenizer, messages, trained, full))
-    return ids, labels, example_id, tier, difficulty
+    return full, _assistant_spans(tokenizer, messages, trained, full), example_id, tier, difficulty
 
 
 def _truncate_chat(ids: list[int], labels: list[int], max_length: int, side: str) -> tuple[list[int], list[int]]:
@@ -223,7 +233,8 @@ def tokenize_chat(
 ) -> TokenizedExample:
     """Tokenise a chat through the tokenizer's template; train on every assistant turn (content + end token)."""
     _check_side(truncation_side)
-    ids, labels, example_id, tier, difficulty = _chat_tokens(record_or_messages, tokenizer)
+    full, spans, example_id, tier, difficulty = _chat_plan(record_or_messages, tokenizer)
+    ids, labels = _encode_with_mask(tokenizer, full, spans)
     truncated = len(ids) > max_length
     if truncated:
         ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
@@ -286,25 +297,34 @@ def tokenize_records(
     max_length: int,
     truncation_side: TruncationSide = "right",
     progress: bool = True,
+    batch_size: int = 256,
 ) -> tuple[list[TokenizedExample], TokenizeReport]:
-    """Tokenise SFT records with a progress bar; the report counts truncation (nothing is dropped)."""
+    """Tokenise SFT records (same result as ``tokenize_chat`` on each) with a progress bar, encoding
+    ``batch_size`` chats per tokenizer call; the report counts truncation (nothing is dropped)."""
     _check_side(truncation_side)
     report = TokenizeReport(max_length=max_length, truncation_side=truncation_side)
-    examples = []
+    examples: list[TokenizedExample] = []
     records = list(records)
-    for record in tqdm(records, desc="tokenising", unit=" ex", disable=None if progress else True, leave=False):
-        ids, labels, example_id, tier, difficulty = _chat_tokens(record, tokenizer)
-        report.lengths.append(len(ids))
-        truncated = len(ids) > max_length
-        if truncated:
-            report.truncated += 1
-            report.tokens_dropped += len(ids) - max_length
-            ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
-        example = TokenizedExample(ids, labels, truncated, example_id, tier, difficulty)
-        report.examples += 1
-        report.tokens += len(example)
-        targets = example.num_targets
-        report.target_tokens += targets
-        report.no_targets += targets == 0
-        examples.append(example)
+    prefix = _implicit_prefix(tokenizer)
+    bar = tqdm(total=len(records), desc="tokenising", unit=" ex", disable=None if progress else True, leave=False)
+    for start in range(0, len(records), batch_size):
+        plans = [_chat_plan(record, tokenizer) for record in records[start : start + batch_size]]
+        encoded = _encode(tokenizer, [plan[0] for plan in plans])
+        for (_, spans, example_id, tier, difficulty), (raw_ids, offsets) in zip(plans, encoded, strict=True):
+            ids, labels = _mask(raw_ids, offsets, spans, prefix)
+            report.lengths.append(len(ids))
+            truncated = len(ids) > max_length
+            if truncated:
+                report.truncated += 1
+                report.tokens_dropped += len(ids) - max_length
+                ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
+            example = TokenizedExample(ids, labels, truncated, example_id, tier, difficulty)
+            report.examples += 1
+            report.tokens += len(example)
+            targets = example.num_targets
+            report.target_tokens += targets
+            report.no_targets += targets == 0
+            examples.append(example)
+        bar.update(len(plans))
+    bar.close()
     return examples, report

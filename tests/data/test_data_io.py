@@ -75,9 +75,11 @@ def test_quarantine_writes_every_bad_record_with_its_reason(tmp_path):
     assert "quarantined 7" in report.summary() and str(quarantine) in report.summary()
 
 
-def test_quarantine_without_a_file_still_counts(tmp_path):
+def test_quarantine_without_a_file_still_counts(tmp_path, caplog):
     path = write_lines(tmp_path / "data.jsonl", [good(GOOD_SFT), BAD_LINES[0][1]])
     records, report = read_records(path, on_error="quarantine", progress=False)
+    assert [r.levelname for r in caplog.records] == ["WARNING"]
+    assert "read 2 = accepted 1 + quarantined 1" in caplog.records[0].getMessage()
     assert (report.read, report.accepted, report.quarantined) == (2, 1, 1)
     assert report.example_lines["malformed JSON"] == [2]
     assert "(not saved)" in report.summary()

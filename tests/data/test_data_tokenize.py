@@ -119,7 +119,8 @@ def test_tokenize_records_counts_truncation(tiny_tokenizer):
     records = sample_sft_records(18)
     full_lengths = [len(tokenize_chat(r, tiny_tokenizer, 10**6)) for r in records]
     limit = sorted(full_lengths)[len(full_lengths) // 2]
-    examples, report = tokenize_records(records, tiny_tokenizer, limit, progress=False)
+    examples, report = tokenize_records(records, tiny_tokenizer, limit, progress=False, batch_size=5)
+    assert examples == [tokenize_chat(r, tiny_tokenizer, limit) for r in records]  # batched == one by one
     over = [n for n in full_lengths if n > limit]
     assert report.examples == len(examples) == 18
     assert report.truncated == len(over) > 0
