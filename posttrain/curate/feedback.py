@@ -1,0 +1,199 @@
+"""``posttrain feedback``: merge edge cases into the next round's SFT and preference sets.
+
+A feedback record is ``{"prompt", "bad_response", "better_response", "reason"}`` (``prompt`` may be
+a string or a chat; an ``id`` is kept when given). Each becomes an SFT example (prompt → better
+response) and a preference pair (chosen = better, rejected = bad, rationale = reason, kept
+verbatim). New records are deduplicated against the existing sets and each other, exactly
+(normalised text) and near-exactly (MinHash LSH, ``near_dedup`` settings), and appended after the
+existing records, which are copied unchanged. The manifest lists all three inputs as parents.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from pydantic import ValidationError
+
+from posttrain.curate.config import FeedbackRecipe, NearDedupConfig
+from posttrain.curate.dedup import exact_hashes
+from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
+from posttrain.curate.minhash import MinHasher, near_duplicate_clusters
+from posttrain.curate.rows import Drop, RecordShapeError, _as_messages, record_to_chat
+from posttrain.data.records import PreferencePair, SFTExample, stable_id
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):
+        return "\n".join(str(m.get("content", "")) for m in value if isinstance(m, dict))
+    return ""
+
+
+def existing_texts(path: str | None, kind: str) -> tuple[list[str], list[str]]:
+    """``(lines, texts)`` of an existing set: every line verbatim, and the text used for dedup
+    (empty for a line that cannot be read, which is still copied through)."""
+    if path is None:
+        return [], []
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"{path}: existing {kind} set not found")
+    lines, texts = [], []
+    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
+        for line in handle:
+            line = line.rstrip("\n")
+            if not line.strip():
+                continue
+            lines.append(line)
+            try:
+                record = json.loads(line)
+                if kind == "sft":
+                    messages, _ = record_to_chat(record)
+                    texts.append("\n".join(m["content"] for m in messages))
+                else:
+                    parts = (record.get("prompt"), record.get("chosen"), record.get("rejected"))
+                    texts.append("\n".join(_text(p) for p in parts))
+            except (json.JSONDecodeError, RecordShapeError, AttributeError):
+                texts.append("")
+    return lines, texts
+
+
+def parse_feedback(raw: bytes) -> dict[str, Any] | Drop:
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return Drop("invalid_utf8")
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return Drop("malformed_json", str(exc)[:200])
+    if not isinstance(record, dict):
+        return Drop("unknown_format", "expected a JSON object")
+    missing = [k for k in ("prompt", "bad_response", "better_response") if k not in record]
+    if missing:
+        return Drop("missing_field", f"missing {', '.join(missing)}")
+    try:
+        prompt = _as_messages(record["prompt"], "prompt", allow_string=True)
+    except RecordShapeError as exc:
+        return Drop(exc.reason, str(exc))
+    bad, better = record["bad_response"], record["better_response"]
+    if not isinstance(bad, str) or not isinstance(better, str) or not better.strip() or not bad.strip():
+        return Drop("bad_field", "bad_response and better_response must be non-empty strings")
+    if " ".join(bad.split()) == " ".join(better.split()):
+        return Drop("identical_responses", "the better response is the bad one")
+    return {"id": record.get("id"), "prompt": prompt, "bad": bad, "better": better,
+            "reason": str(record.get("reason") or "")}  # fmt: skip
+
+
+def duplicates_of_earlier(texts: list[str], config: NearDedupConfig) -> dict[int, str]:
+    """Position → ``exact_duplicate`` / ``near_duplicate`` for each text equal or near-equal to an earlier one."""
+    found: dict[int, str] = {}
+    hashes = exact_hashes(texts)
+    first_seen: dict[int, int] = {}
+    for position, value in enumerate(hashes.tolist()):
+        if texts[position] and value in first_seen:
+            found[position] = "exact_duplicate"
+        first_seen.setdefault(value, position)
+    hasher = MinHasher(config.num_perm, config.shingle_size, config.seed)
+    signatures, values, offsets = hasher.sign(texts, with_sets=config.verify == "exact")
+    labels, _ = near_duplicate_clusters(
+        signatures, config.bands, config.rows, config.threshold, verify=config.verify,
+        shingle_set_of=lambda i: values[offsets[i] : offsets[i + 1]],
+        valid=signatures[:, 0] != np.uint32(0xFFFFFFFF), max_bucket=config.max_bucket,
+    )  # fmt: skip
+    for position in np.flatnonzero(labels != np.arange(labels.size)):
+        found.setdefault(int(position), "near_duplicate")
+    return found
+
+
+def ingest_feedback(config: FeedbackRecipe) -> dict:
+    output = Path(config.output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    if not Path(config.feedback).is_file():
+        raise FileNotFoundError(f"{config.feedback}: feedback file not found")
+    records: list[tuple[int, dict[str, Any]]] = []
+    dropped: list[dict[str, Any]] = []
+    parse_reasons: Counter = Counter()
+    with open(config.feedback, "rb") as handle:
+        lines = handle.read().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for number, raw in enumerate(lines, start=1):
+        parsed = parse_feedback(raw) if raw.strip() else Drop("blank_line")
+        if isinstance(parsed, Drop):
+            parse_reasons[parsed.reason] += 1
+            dropped.append({"line": number, "target": "both", "stage": "parse", "reason": parsed.reason,
+                            "detail": parsed.detail, "record": raw.decode("utf-8", "backslashreplace")})  # fmt: skip
+        else:
+            records.append((number, parsed))
+    summary: dict[str, Any] = {"input": len(lines)}
+    outputs: dict[str, Path] = {}
+    for target in ("sft", "preferences"):
+        funnel = Funnel(["parse", "dedup"])
+        funnel.input = len(lines)
+        funnel.add("parse", len(lines), len(records), parse_reasons)
+        existing_path = config.sft if target == "sft" else config.preferences
+        old_lines, old_texts = existing_texts(existing_path, target)
+        new = [_build(target, number, record, config) for number, record in records]
+        new_texts = [_dedup_text(target, record) for _, record in records]
+        duplicates = duplicates_of_earlier(old_texts + new_texts, config.near_dedup)
+        added: list[str] = []
+        reasons: Counter = Counter()
+        for position, ((number, record), built) in enumerate(zip(records, new, strict=True)):
+            duplicate = duplicates.get(len(old_texts) + position)
+            drop = Drop(duplicate, "of an existing or earlier record") if duplicate else built
+            if isinstance(drop, Drop):
+                reasons[drop.reason] += 1
+                dropped.append({"line": number, "target": target, "stage": "dedup", "reason": drop.reason,
+                                "detail": drop.detail, "record": record})  # fmt: skip
+            else:
+                added.append(json.dumps(built, ensure_ascii=False))
+        funnel.add("dedup", len(records), len(added), reasons)
+        funnel.check(len(added))
+        summary[target] = {**funnel.to_dict(len(added)), "existing": len(old_lines), "total": len(old_lines) + len(added)}
+        outputs[target] = output / f"{target}.jsonl"
+        outputs[target].write_text("".join(line + "\n" for line in old_lines + added), encoding="utf-8",
+                                   errors="surrogateescape")  # fmt: skip
+    dropped.sort(key=lambda record: (record["line"], record["target"]))
+    outputs["dropped"] = output / "dropped.jsonl"
+    outputs["dropped"].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in dropped), "utf-8")
+    (output / "funnel.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
+    parents = [p for p in (config.feedback, config.sft, config.preferences) if p]
+    return write_manifest(output, "feedback", outputs, parents, config, summary, exclude={"output_dir"})
+
+
+def _dedup_text(target: str, record: dict[str, Any]) -> str:
+    prompt = "\n".join(m["content"] for m in record["prompt"])
+    if target == "sft":
+        return f"{prompt}\n{record['better']}"
+    return f"{prompt}\n{record['better']}\n{record['bad']}"
+
+
+def _build(target: str, number: int, record: dict[str, Any], config: FeedbackRecipe) -> dict[str, Any] | Drop:
+    """The new SFT example or preference pair, validated; a ``Drop`` when it is not valid."""
+    meta = {"feedback": {"id": record["id"], "line": number, "reason": record["reason"], "source": config.feedback}}
+    better = {"role": "assistant", "content": record["better"]}
+    try:
+        if target == "sft":
+            example = SFTExample(messages=[*record["prompt"], better], tier=config.tier, meta=meta)
+        else:
+            example = PreferencePair(
+                prompt=record["prompt"], chosen=[better], rejected=[{"role": "assistant", "content": record["bad"]}],
+                rationale=record["reason"] or None, tier=config.tier, meta=meta,
+            )  # fmt: skip
+    except ValidationError as exc:
+        return Drop(f"invalid_{target}_record", str(exc.errors()[0]["msg"]))
+    data = example.model_dump(mode="json")
+    if record["id"]:
+        data["id"] = stable_id([record["id"], target], "fb-")
+    return data
+
+
+def run_feedback(config: FeedbackRecipe) -> int:
+    summary = ingest_feedback(config)["funnel"]
+    for target in ("sft", "preferences"):
+        print(f"[{target}] existing {summary[target]['existing']}, total {summary[target]['total']}")
+        print(format_funnel({k: v for k, v in summary[target].items() if k not in ("existing", "total")}))
+    print(f"merged sets → {config.output_dir}/sft.jsonl, preferences.jsonl (manifest.json lists the parents)")
+    return 0
