@@ -216,7 +216,8 @@ class JudgeCache:
             for line in self.path.read_text(encoding="utf-8").split("\n"):
                 try:
                     data = json.loads(line)
-                    self.entries[data.pop("key")] = Judgement(**data)
+                    key = data.pop("key")
+                    self.entries[key] = Judgement(**data)
                 except (json.JSONDecodeError, TypeError, KeyError):
                     continue  # a torn last line from an interrupted run: recompute that record
 
