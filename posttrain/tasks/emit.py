@@ -18,7 +18,7 @@ from posttrain.tasks.problem import (
     GROUPS,
     TIERS,
     Problem,
-    _allocate,
+    allocate,
     draw_problems,
     families_in,
     sample_problems,
@@ -108,7 +108,7 @@ def eval_problems(
             continue
         for tier in tiers:
             cell_families = families_in(group, tier)
-            shares = _allocate(cell_size, {family.name: 1.0 for family in cell_families})
+            shares = allocate(cell_size, {family.name: 1.0 for family in cell_families})
             for family in cell_families:
                 rng = random.Random(f"{seed}:eval:{family.name}")
                 problems.extend(draw_problems(family, shares[family.name], "eval", rng, unique=True))

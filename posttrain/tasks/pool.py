@@ -7,7 +7,8 @@ and distinct problems stay below Jaccard 0.7 of each other (checked as the pool 
 is planted with each kind of noise; every planted record names its kind in ``meta["planted"]``
 (clean records have ``meta["planted"] = None``):
 
-- ``exact_duplicate``: a byte-for-byte copy of a clean record (``meta["duplicate_of"]`` = its id).
+- ``exact_duplicate``: a byte-for-byte copy of a clean record (``meta["duplicate_of"]`` = its id,
+  which comes earlier in the pool).
 - ``near_duplicate``: a copy of a clean record with one leading word changed, added or dropped;
   Jaccard similarity of 5-word shingles >= 0.8 with the original, on the prompt and on prompt+response.
 - ``garbled``: the task text hit by mojibake (``Ã©``, ``â€™``) or U+FFFD replacement characters.
@@ -29,7 +30,7 @@ from collections import Counter, deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from posttrain.tasks.problem import TASK_FAMILIES, Problem, _allocate, sample_problems
+from posttrain.tasks.problem import TASK_FAMILIES, Problem, allocate, sample_problems
 from posttrain.tasks.words import WORDS, join_with_and
 
 NOISE_KINDS = ("exact_duplicate", "near_duplicate", "garbled", "empty", "truncated", "wrong_answer")
@@ -68,7 +69,7 @@ class NoiseMix:
     def counts(self, n: int) -> dict[str, int]:
         """Exact number of records per kind (``clean`` included) in a pool of ``n``; they add up to ``n``."""
         shares = asdict(self)
-        return _allocate(n, {"clean": 1.0 - sum(shares.values()), **shares})
+        return allocate(n, {"clean": 1.0 - sum(shares.values()), **shares})
 
 
 _WORD_SEPARATORS = re.compile(r"[\s!-/:-@\[-`{-~]+")  # ASCII whitespace and punctuation, as curate.minhash
@@ -116,7 +117,11 @@ class _ShingleIndex:
 
 
 def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str, Any]]:
-    """``n`` raw records (train split only), a ``noise`` share of them planted; shuffled, ids ``raw-000000``…"""
+    """``n`` raw records (train split only), a ``noise`` share of them planted; shuffled, ids ``raw-000000``…
+
+    Every duplicate comes after its source, so dedup keeping first occurrences drops exactly the
+    planted copies.
+    """
     noise = noise or NoiseMix()
     counts = noise.counts(n)
     rng = random.Random(f"{seed}:raw_pool")
@@ -146,7 +151,7 @@ def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str,
     records += [_exact_duplicate(rng.choice(clean)) for _ in range(counts["exact_duplicate"])]
     records += [_near_duplicate(rng.choice(clean), rng) for _ in range(counts["near_duplicate"])]
 
-    rng.shuffle(records)
+    records = _shuffle_sources_first(records, rng)
     for position, record in enumerate(records):
         record["id"] = f"raw-{position:06d}"
     final_id_of = {id(r): r["id"] for r in records}
@@ -155,6 +160,23 @@ def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str,
         if source is not None:
             record["meta"]["duplicate_of"] = final_id_of[id(source)]
     return records
+
+
+def _shuffle_sources_first(records: list[dict[str, Any]], rng: random.Random) -> list[dict[str, Any]]:
+    """A random order in which every duplicate comes after the record it copies.
+
+    Dedup keeps the first record of a cluster, so with this order exactly the planted copies are
+    the ones a correct funnel drops, and its report can be checked record by record.
+    """
+    time_of: dict[int, float] = {}
+    for record in records:
+        if "_source" not in record["meta"]:
+            time_of[id(record)] = rng.random()
+    for record in records:
+        if "_source" in record["meta"]:
+            start = time_of[id(record["meta"]["_source"])]
+            time_of[id(record)] = start + (1.0 - start) * rng.random()
+    return sorted(records, key=lambda record: time_of[id(record)])
 
 
 def _topic(problem: Problem) -> str:

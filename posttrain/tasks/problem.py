@@ -173,12 +173,12 @@ def sample_problems(
         for g in groups
         for t in tiers
     }
-    per_family = _allocate(n, {(g, t): w for (g, t), w in weights.items()})
+    per_family = allocate(n, {(g, t): w for (g, t), w in weights.items()})
     rng = random.Random(seed)
     problems: list[Problem] = []
     for (group, tier), cell_count in per_family.items():
         cell_families = families_in(group, tier)
-        shares = _allocate(cell_count, {family.name: 1.0 for family in cell_families})
+        shares = allocate(cell_count, {family.name: 1.0 for family in cell_families})
         for family in cell_families:
             family_rng = random.Random(f"{seed}:{stream}:{split}:{family.name}")
             problems.extend(draw_problems(family, shares[family.name], split, family_rng, unique))
@@ -186,7 +186,7 @@ def sample_problems(
     return problems
 
 
-def _allocate(total: int, weights: dict[Any, float]) -> dict[Any, int]:
+def allocate(total: int, weights: dict[Any, float]) -> dict[Any, int]:
     """Split ``total`` in proportion to ``weights`` with the largest-remainder rule (counts sum to ``total``)."""
     if total < 0:
         raise ValueError(f"cannot allocate a negative count ({total})")

@@ -135,3 +135,24 @@ def test_garble_and_truncate_always_change_their_input():
         for _ in range(20):
             cut = truncate(answer, rng)
             assert cut and answer.startswith(cut) and cut != answer
+
+
+def test_duplicates_come_after_their_source(pool):
+    position = {r["id"]: index for index, r in enumerate(pool)}
+    copies = [r for r in pool if _kind(r) in ("exact_duplicate", "near_duplicate")]
+    assert copies
+    assert all(position[r["meta"]["duplicate_of"]] < position[r["id"]] for r in copies)
+
+
+def test_the_funnels_near_dup_detector_drops_exactly_the_planted_copies(pool):
+    # posttrain.curate's MinHash + LSH with exact verification at Jaccard 0.8, keeping first occurrences.
+    from posttrain.curate.minhash import MinHasher, near_duplicate_clusters
+
+    texts = [f"{r['prompt']}\n{r['response']}" for r in pool]
+    signatures, values, offsets = MinHasher(112, 5, 0).sign(texts, True)
+    labels, _ = near_duplicate_clusters(
+        signatures, 14, 8, 0.8, verify="exact", shingle_set_of=lambda i: values[offsets[i] : offsets[i + 1]]
+    )
+    dropped = {pool[i]["id"] for i in range(len(pool)) if labels[i] != i}
+    planted = {r["id"] for r in pool if _kind(r) in ("exact_duplicate", "near_duplicate")}
+    assert dropped == planted
