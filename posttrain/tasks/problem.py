@@ -116,14 +116,13 @@ def draw_problems(
     split: Split,
     rng: random.Random,
     unique: bool,
-    exclude: set[str] | None = None,
 ) -> list[Problem]:
     """``count`` problems of ``family`` from ``split``; distinct keys when ``unique``.
 
     Rejection sampling: a draw from the other split (or an already used key) is thrown away and
-    drawn again. ``exclude`` holds keys that must not be returned (already used by the caller).
+    drawn again.
     """
-    used = set(exclude or ())
+    used: set[str] = set()
     problems: list[Problem] = []
     attempts, budget = 0, 200 * count + 1000
     while len(problems) < count:
@@ -168,21 +167,27 @@ def sample_problems(
     for tier in tiers:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; tiers are 1, 2, 3")
+    unknown_groups = sorted(set(group_weights or {}) - set(GROUPS))
+    unknown_tiers = sorted(set(tier_weights or {}) - set(TIERS))
+    if unknown_groups or unknown_tiers:
+        raise ValueError(
+            f"weights name unknown groups {unknown_groups} or tiers {unknown_tiers}; "
+            f"groups are {', '.join(GROUPS)}, tiers 1, 2, 3"
+        )
     weights = {
         (g, t): (group_weights or {}).get(g, 1.0) * (tier_weights or {}).get(t, 1.0)
         for g in groups
         for t in tiers
     }
-    per_family = allocate(n, {(g, t): w for (g, t), w in weights.items()})
-    rng = random.Random(seed)
+    per_cell = allocate(n, weights)
     problems: list[Problem] = []
-    for (group, tier), cell_count in per_family.items():
+    for (group, tier), cell_count in per_cell.items():
         cell_families = families_in(group, tier)
         shares = allocate(cell_count, {family.name: 1.0 for family in cell_families})
         for family in cell_families:
             family_rng = random.Random(f"{seed}:{stream}:{split}:{family.name}")
             problems.extend(draw_problems(family, shares[family.name], split, family_rng, unique))
-    rng.shuffle(problems)
+    random.Random(f"{seed}:{stream}:{split}:order").shuffle(problems)
     return problems
 
 

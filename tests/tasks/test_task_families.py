@@ -111,6 +111,10 @@ def test_unknown_group_or_tier_is_an_error():
         tasks.sample_problems(10, seed=0, groups=["poetry"])
     with pytest.raises(ValueError, match="unknown tier"):
         tasks.sample_problems(10, seed=0, tiers=[5])
+    with pytest.raises(ValueError, match="unknown groups \\['reasonning'\\]"):
+        tasks.sample_problems(10, seed=0, group_weights={"reasonning": 2.0})
+    with pytest.raises(ValueError, match="tiers \\[4\\]"):
+        tasks.sample_problems(10, seed=0, tier_weights={4: 2.0})
 
 
 _DIGEST_SCRIPT = """
