@@ -1,24 +1,24 @@
 """A raw instruction pool with planted noise, so the curation funnel has real work to do.
 
 ``raw_pool(n, seed)`` returns ``{"id", "prompt", "response", "meta"}`` records built from the
-train split. Each prompt is a short instruction preamble (one of a few variants), a sentence naming
-the problem's numbers or words, then the task: long enough for 5-word shingles to mean something,
-and distinct problems stay below Jaccard 0.7 of each other (checked as the pool is built). ``NoiseMix`` says which share of the pool
-is planted with each kind of noise; every planted record names its kind in ``meta["planted"]``
-(clean records have ``meta["planted"] = None``):
+train split. Each prompt is a short instruction preamble (one of a few variants), a sentence
+naming the problem's numbers or words, then the task: long enough for 5-word shingles to mean
+something, and distinct problems stay below Jaccard 0.7 of each other (checked as the pool is
+built). ``NoiseMix`` says which share of the pool is planted with each kind of noise; every
+planted record names its kind in ``meta["planted"]`` (clean records have ``None``):
 
 - ``exact_duplicate``: a byte-for-byte copy of a clean record (``meta["duplicate_of"]`` = its id,
   which comes earlier in the pool).
-- ``near_duplicate``: a copy of a clean record with one leading word changed, added or dropped;
-  Jaccard similarity of 5-word shingles >= 0.8 with the original, on the prompt and on prompt+response.
-- ``garbled``: the task text hit by mojibake (``Ã©``, ``â€™``) or U+FFFD replacement characters.
+- ``near_duplicate``: a copy of a clean record with its first word swapped for a synonym or a
+  filler word put in front; 5-word-shingle Jaccard >= 0.8 with the original.
+- ``garbled``: the task text hit by mojibake (``Ã©``, ``â€“``) or U+FFFD replacement characters.
 - ``empty``: an empty or whitespace-only response.
-- ``truncated``: the reference answer cut short (at a word boundary when it has several words).
+- ``truncated``: the reference answer cut short (whole lines, else whole words, else characters).
 - ``wrong_answer``: a plausible wrong answer that fails the task's verifier.
 
-Every record carries the answer key in ``meta`` (``answer``, ``verifier``, ``verifier_options``, ``group``,
-``tier``, ``family``, ``task_prompt``) so a verifier stage can check responses, exactly as a real
-flywheel checks verifiable tasks.
+Every record carries the answer key in ``meta`` (``answer``, ``verifier``, ``verifier_options``,
+``group``, ``tier``, ``family``, ``task_prompt``) so a verifier stage can check responses, exactly
+as a real flywheel checks verifiable tasks.
 """
 
 from __future__ import annotations
