@@ -73,14 +73,17 @@ def to_eval_item(problem: Problem) -> dict[str, Any]:
     }
 
 
-def sft_examples(n: int, seed: int, **sampling: Any) -> list[SFTExample]:
-    """``n`` SFT examples from the train split; ``sampling`` goes to ``sample_problems`` (groups, tiers, weights)."""
-    return [to_sft(p) for p in sample_problems(n, seed, split="train", **sampling)]
+def sft_examples(n: int, seed: int, unique: bool = False, **sampling: Any) -> list[SFTExample]:
+    """``n`` SFT examples from the train split; ``sampling`` goes to ``sample_problems`` (groups, tiers, weights).
+
+    Problems repeat only once a family's train split is used up (``unique=True`` forbids repeats).
+    """
+    return [to_sft(p) for p in sample_problems(n, seed, split="train", unique=unique, **sampling)]
 
 
-def rl_prompts(n: int, seed: int, **sampling: Any) -> list[RLPrompt]:
-    """``n`` RL prompts with answers from the train split; ``sampling`` as for ``sft_examples``."""
-    return [to_rl(p) for p in sample_problems(n, seed, split="train", **sampling)]
+def rl_prompts(n: int, seed: int, unique: bool = False, **sampling: Any) -> list[RLPrompt]:
+    """``n`` RL prompts with answers from the train split; ``unique`` and ``sampling`` as for ``sft_examples``."""
+    return [to_rl(p) for p in sample_problems(n, seed, split="train", unique=unique, **sampling)]
 
 
 def eval_problems(

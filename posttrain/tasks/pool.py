@@ -24,9 +24,10 @@ as a real flywheel checks verifiable tasks.
 from __future__ import annotations
 
 import copy
+import math
 import random
 import re
-from collections import Counter, deque
+from collections import deque
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -98,7 +99,13 @@ DISTINCT_MAX_JACCARD = 0.7
 
 
 class _ShingleIndex:
-    """Inverted index of prompt shingles, to reject a record too similar to one already in the pool."""
+    """Inverted index of prompt shingles, to reject a record too similar to one already in the pool.
+
+    Prefix filtering (Chaudhuri et al., "A primitive operator for similarity joins", ICDE 2006):
+    ``J(A, B) >= t`` needs ``|A ∩ B| >= t|A|``, so B shares at least one of any
+    ``|A| - floor(t|A|) + 1`` shingles of A. Looking up only A's rarest shingles finds every
+    candidate without walking the long posting lists of the shared preambles.
+    """
 
     def __init__(self) -> None:
         self._sets: list[set[tuple[str, ...]]] = []
@@ -106,14 +113,37 @@ class _ShingleIndex:
 
     def add_if_distinct(self, text: str) -> bool:
         mine = shingles(text)
-        shared: Counter[int] = Counter(j for s in mine for j in self._postings.get(s, ()))
-        for j, common in shared.items():
+        prefix_size = len(mine) - math.floor(DISTINCT_MAX_JACCARD * len(mine)) + 1
+        rarest = sorted(mine, key=lambda s: (len(self._postings.get(s, ())), s))[:prefix_size]
+        candidates = {j for s in rarest for j in self._postings.get(s, ())}
+        for j in candidates:
+            common = len(mine & self._sets[j])
             if common / (len(mine) + len(self._sets[j]) - common) >= DISTINCT_MAX_JACCARD:
                 return False
         for s in mine:
             self._postings.setdefault(s, []).append(len(self._sets))
         self._sets.append(mine)
         return True
+
+
+def _distinct_train_problems(count: int, seed: int) -> list[Problem]:
+    """``count`` train problems with distinct keys, from as many families as can supply them.
+
+    Small families (one word each) run out first in a large pool; more streams then top the pool up
+    from the families that still have fresh problems, so the mix tilts towards them.
+    """
+    seen: set[str] = set()
+    problems: list[Problem] = []
+    for round_index in range(8):
+        for problem in sample_problems(
+            count, seed, split="train", unique=False, stream=f"raw_pool:{round_index}"
+        ):
+            if problem.key not in seen:
+                seen.add(problem.key)
+                problems.append(problem)
+        if len(problems) >= count:
+            break
+    return problems[:count]
 
 
 def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str, Any]]:
@@ -126,9 +156,7 @@ def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str,
     counts = noise.counts(n)
     rng = random.Random(f"{seed}:raw_pool")
     n_own = n - counts["exact_duplicate"] - counts["near_duplicate"]  # records with a problem of their own
-    pending = deque(
-        sample_problems(n_own + n_own // 2 + 50, seed, split="train", unique=True, stream="raw_pool")
-    )
+    pending = deque(_distinct_train_problems(n_own + n_own // 2 + 50, seed))
     index = _ShingleIndex()
 
     def take(kind: str) -> dict[str, Any]:

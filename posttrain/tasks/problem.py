@@ -110,6 +110,11 @@ class TaskSpaceExhausted(ValueError):
     """More distinct problems were asked of a family than its split holds."""
 
 
+# Without ``unique``, a draw still looks this many times for an unused problem before it accepts a
+# repeat: training sets stay as varied as the family allows and only repeat once it is used up.
+FRESH_TRIES = 20
+
+
 def draw_problems(
     family: TaskFamily,
     count: int,
@@ -117,24 +122,31 @@ def draw_problems(
     rng: random.Random,
     unique: bool,
 ) -> list[Problem]:
-    """``count`` problems of ``family`` from ``split``; distinct keys when ``unique``.
+    """``count`` problems of ``family`` from ``split``.
 
-    Rejection sampling: a draw from the other split (or an already used key) is thrown away and
-    drawn again.
+    Rejection sampling: a draw from the other split is thrown away and drawn again. With
+    ``unique`` every key is distinct, and running out of problems is an error. Without it,
+    repeats come only once ``FRESH_TRIES`` draws in a row found nothing new.
     """
     used: set[str] = set()
     problems: list[Problem] = []
     attempts, budget = 0, 200 * count + 1000
+    stale = 0  # draws in a row that found only used problems
     while len(problems) < count:
         attempts += 1
-        if attempts > budget:
+        if unique and attempts > budget:
             raise TaskSpaceExhausted(
                 f"task family {family.name!r}: found only {len(problems)} of {count} distinct {split} problems "
-                f"after {budget} draws; ask for fewer items per cell or allow repeats"
+                f"after {budget} draws; ask for fewer, or pass unique=False to allow repeats"
             )
         problem = family.sample(rng)
-        if split_of(problem.key) != split or (unique and problem.key in used):
+        if split_of(problem.key) != split:
             continue
+        if problem.key in used:
+            stale += 1
+            if unique or stale < FRESH_TRIES:
+                continue
+        stale = 0
         used.add(problem.key)
         problems.append(problem)
     return problems
@@ -155,7 +167,8 @@ def sample_problems(
 
     Every (group, tier) cell gets ``n`` times its normalised weight (group weight x tier weight,
     rounded so the counts add up to ``n``), split evenly between the cell's families. The result
-    is shuffled, so a prefix is a fair sample. ``stream`` names an independent random stream, so
+    is shuffled, so a prefix is a fair sample. ``unique`` makes every problem distinct (an error
+    when a family runs out); without it problems repeat only once a family is used up. ``stream`` names an independent random stream, so
     two consumers with the same seed (e.g. SFT data and the pretraining corpus) draw different problems.
     """
     _load_families()

@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 
 import posttrain.tasks as tasks
-from posttrain.tasks.problem import EVAL_FRACTION, register_family, split_of
+from posttrain.tasks.problem import EVAL_FRACTION, draw_problems, register_family, split_of
 
 SAMPLES_PER_FAMILY = 150
 
@@ -141,3 +141,14 @@ def test_outputs_are_identical_across_processes_and_hash_seeds():
         digests.append(run.stdout.strip())
     assert len(digests[0]) == len(hashlib.sha256().hexdigest())
     assert digests[0] == digests[1]
+
+
+def test_repeats_come_only_after_a_family_is_used_up():
+    family = tasks.TASK_FAMILIES["upper"]  # one word each: about 220 train problems
+    few = draw_problems(family, 150, "train", random.Random(0), unique=False)
+    assert len({p.key for p in few}) == 150
+    many = draw_problems(family, 600, "train", random.Random(0), unique=False)
+    assert all(split_of(p.key) == "train" for p in many)
+    assert len({p.key for p in many}) >= 200  # nearly the whole train split before it repeats
+    with pytest.raises(tasks.TaskSpaceExhausted, match="upper"):
+        draw_problems(family, 600, "train", random.Random(0), unique=True)
