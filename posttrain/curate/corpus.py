@@ -76,7 +76,7 @@ def planted_corpus(
     rng = np.random.default_rng(seed)
     vocab = _vocabulary(rng, vocab_size)
     weights = 1.0 / np.arange(1, len(vocab) + 1) ** 0.8
-    weights /= weights.sum()
+    cdf = np.cumsum(weights / weights.sum())
     kinds = rng.choice(3, size=n_docs, p=[1 - near_fraction - hard_fraction, near_fraction, hard_fraction])
     kinds[0] = 0
     token_lists: list[list[str]] = []
@@ -84,7 +84,8 @@ def planted_corpus(
     for index, kind in enumerate(kinds):
         if kind == 0 or index == 0:
             length = int(rng.integers(min_words, max_words + 1))
-            token_lists.append([vocab[i] for i in rng.choice(len(vocab), size=length, p=weights)])
+            picks = np.minimum(np.searchsorted(cdf, rng.random(length)), len(vocab) - 1)
+            token_lists.append([vocab[i] for i in picks])
             continue
         source = int(rng.integers(0, index))
         base = token_lists[source]
@@ -112,6 +113,24 @@ def candidate_pairs_sharing_a_shingle(shingles: Sequence[set]) -> set[tuple[int,
                 for b in docs[i + 1 :]:
                     pairs.add((a, b))
     return pairs
+
+
+def families(n_docs: int, planted: Sequence[tuple[int, int, str]]) -> list[list[int]]:
+    """Groups of documents linked by planted copying (a source, its copies, their copies)."""
+    parent = list(range(n_docs))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for source, copy, _ in planted:
+        parent[root(copy)] = root(source)
+    groups: dict[int, list[int]] = defaultdict(list)
+    for doc in range(n_docs):
+        groups[root(doc)].append(doc)
+    return [members for members in groups.values() if len(members) > 1]
 
 
 def true_pairs(shingles: Sequence[set], pairs: Iterable[tuple[int, int]], threshold: float) -> set[tuple[int, int]]:

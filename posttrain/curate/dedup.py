@@ -94,6 +94,7 @@ class NearDedupStage:
     def __init__(self, config: NearDedupConfig):
         self.config = config
         self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed)
+        self.verified_pairs = np.zeros((0, 2), dtype=np.int64)
 
     def features(self, rows: list[Row], scratch: str) -> dict[str, Any]:
         exact = self.config.verify == "exact"
@@ -121,6 +122,7 @@ class NearDedupStage:
             valid=valid,
             max_bucket=self.config.max_bucket,
         )
+        self.verified_pairs = pairs  # kept for reports and benchmarks
         for position in np.unique(pairs.ravel()):
             representative = int(labels[position])
             decisions.annotations[int(position)] = {"near_dup_cluster": ids[representative]}

@@ -181,9 +181,10 @@ class MinHasher:
         return self.sign(texts, with_sets=False)[0]
 
     def sign(self, texts: Sequence[str], with_sets: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """``(signatures [n, num_perm], set_values, set_offsets)``: also each text's shingle set, as
-        sorted unique 32-bit hashes ``set_values[set_offsets[i]:set_offsets[i+1]]`` (empty arrays
-        when ``with_sets`` is false), for exact Jaccard verification of candidate pairs."""
+        """``(signatures [n, num_perm], shingle_values, shingle_offsets)``: also each text's shingle
+        hashes, ``shingle_values[shingle_offsets[i]:shingle_offsets[i+1]]`` (32-bit, unsorted, with
+        repeats; empty arrays when ``with_sets`` is false), for exact Jaccard verification of
+        candidate pairs. Only candidates need their sets, so deduplication waits until then."""
         out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
         set_parts: list[np.ndarray] = []
         set_sizes = np.zeros(len(texts), dtype=np.int64)
@@ -197,9 +198,8 @@ class MinHasher:
             shingles, counts = self.shingle_hashes(texts[first:last])
             out[first:last] = self.signatures_from_shingles(shingles, counts)
             if with_sets:
-                values, sizes = unique_per_text(shingles, counts)
-                set_parts.append(values.astype(np.uint32))
-                set_sizes[first:last] = sizes
+                set_parts.append(shingles.astype(np.uint32))
+                set_sizes[first:last] = counts
             first = last
         values = np.concatenate(set_parts) if set_parts else np.zeros(0, np.uint32)
         offsets = np.concatenate(([0], np.cumsum(set_sizes))).astype(np.int64)
@@ -229,21 +229,15 @@ class MinHasher:
         return out
 
 
-def unique_per_text(values: np.ndarray, counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Sort and deduplicate each text's segment of ``values``: ``(values, new counts)``."""
-    owner = np.repeat(np.arange(counts.size), counts)
-    order = np.lexsort((values, owner))
-    values, owner = values[order], owner[order]
-    keep = np.ones(values.size, dtype=bool)
-    keep[1:] = (values[1:] != values[:-1]) | (owner[1:] != owner[:-1])
-    return values[keep], np.bincount(owner[keep], minlength=counts.size).astype(np.int64)
-
-
 def exact_jaccard(pairs: np.ndarray, shingle_set_of) -> np.ndarray:
-    """Exact Jaccard of each pair from the texts' sorted unique shingle hashes (``shingle_set_of(i)``)."""
+    """Exact Jaccard of each pair from the texts' shingle hashes (``shingle_set_of(i)``, repeats allowed)."""
     out = np.empty(pairs.shape[0], dtype=np.float64)
+    unique: dict[int, np.ndarray] = {}
     for position, (i, j) in enumerate(pairs):
-        a, b = shingle_set_of(int(i)), shingle_set_of(int(j))
+        for k in (int(i), int(j)):
+            if k not in unique:
+                unique[k] = np.unique(shingle_set_of(k))
+        a, b = unique[int(i)], unique[int(j)]
         shared = np.intersect1d(a, b, assume_unique=True).size
         union = a.size + b.size - shared
         out[position] = shared / union if union else 0.0
