@@ -45,3 +45,22 @@ class SFTRecipe(TrainingRecipe):
 
 
 register_recipe("sft", SFTRecipe, "posttrain.train.sft:run_sft", "Supervised fine-tuning with a curriculum.")
+
+
+class PretrainRecipe(TrainingRecipe):
+    """Causal-LM training on plain text (every token carries loss); rows are always packed."""
+
+    recipe: Literal["pretrain"] = "pretrain"
+
+    @model_validator(mode="after")
+    def _check(self) -> PretrainRecipe:
+        if not self.data.train:
+            raise ValueError("data.train is required: a .txt file (one document per line) or JSONL with a `text` field")
+        if self.data.curriculum != "none":
+            raise ValueError("plain text has no tiers: set data.curriculum=none for pretraining")
+        return self
+
+
+register_recipe(
+    "pretrain", PretrainRecipe, "posttrain.train.pretrain:run_pretrain", "Causal-LM training on plain text."
+)
