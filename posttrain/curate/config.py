@@ -240,6 +240,9 @@ class DifficultyConfig(StrictModel):
         default=(0.34, 0.6), description="difficulty < t1 → tier 1; < t2 → tier 2; else tier 3."
     )
     long_response_words: int = Field(default=300, ge=1, description="Response length that counts as fully long.")
+    keep_given_tier: bool = Field(
+        default=True, description="A record that arrives with a `tier` keeps it (its difficulty is still scored)."
+    )
     ifd: IFDConfig | None = None
 
     @model_validator(mode="after")

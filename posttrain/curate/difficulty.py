@@ -155,7 +155,8 @@ class DifficultyStage:
             if difficulty is None:  # only unavailable signals have weight: fall back to features
                 difficulty = signals["features"]
             row.difficulty = round(difficulty, 4)
-            row.tier = tier_of(difficulty, self.config.tier_thresholds)
+            if row.tier is None or not self.config.keep_given_tier:
+                row.tier = tier_of(difficulty, self.config.tier_thresholds)
             row.scores["difficulty_signals"] = {name: round(value, 4) for name, value in signals.items()}
             limit = self.config.ifd.drop_above if self.config.ifd else None
             drop = limit is not None and ifd_value is not None and ifd_value > limit

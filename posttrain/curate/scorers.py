@@ -7,8 +7,8 @@ same prompt, so scorers need not share a scale:
 - ``VerifierScorer``: the prompt's own verifier (``posttrain.eval.verifiers``), score in [0, 1];
   for prompts with an answer key (``answer``, ``tests`` or verifier options).
 - ``RewardModelScorer``: an HF ``AutoModelForSequenceClassification`` with one label (a reward
-  model as the preference issue trains it); the score is the head's logit at the last non-padding
-  token of ``chat_template(prompt + [assistant: candidate])``.
+  model as ``posttrain rm`` trains it); the score is the head's logit at the last non-padding
+  token of ``chat_template(prompt + [assistant: candidate])``, the full chat rendered as in training.
 - ``JudgeScorer``: the curation judge's 1-5 quality score (rule-based or LLM).
 """
 
@@ -78,6 +78,9 @@ class RewardModelScorer:
         self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.path)
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
+        # The reward is read at the last token, so an over-long text loses its start, never its end
+        # (as ``posttrain rm`` truncates when it trains).
+        self.tokenizer.truncation_side = "left"
         self.model = model or AutoModelForSequenceClassification.from_pretrained(
             config.path, dtype=DTYPES[config.dtype]
         )

@@ -45,6 +45,11 @@ def test_stage_uses_judge_complexity():
     lone = [row("a", "b")]  # no judge rating: falls back to the features
     DifficultyStage(DifficultyConfig(weights={"judge": 1.0, "features": 0.0})).apply(lone)
     assert lone[0].tier == 1
+    given = [row("a", "b", judge_complexity=3), row("a", "b", judge_complexity=3)]
+    given[0].tier = given[1].tier = 1
+    DifficultyStage(DifficultyConfig(weights={"judge": 1.0})).apply(given[:1])
+    DifficultyStage(DifficultyConfig(weights={"judge": 1.0}, keep_given_tier=False)).apply(given[1:])
+    assert [r.tier for r in given] == [1, 3] and given[0].difficulty == 1.0
 
 
 def _mean_answer_loss(model, context: list[int], answer: list[int]) -> float:
