@@ -27,6 +27,7 @@ _COMMAND_MODULES = (
     "posttrain.data.inspect",
     "posttrain.commands.model",
     "posttrain.commands.demo",
+    "posttrain.commands.quickstart",
     "posttrain.generate.cli",
     "posttrain.eval.cli",
 )

@@ -23,7 +23,7 @@ class RecipeSpec:
 RECIPES: dict[str, RecipeSpec] = {}
 
 # Modules whose import registers recipes. Each feature registers its own recipe next to its code.
-_BUILTIN_MODULES = ("posttrain.config.recipes", "posttrain.curate.config", "posttrain.config.preference")
+_BUILTIN_MODULES = ("posttrain.config.recipes", "posttrain.curate.config", "posttrain.config.preference", "posttrain.flywheel.config")
 
 
 def register_recipe(name: str, schema: type[BaseModel], runner: str, summary: str) -> None:

@@ -1,0 +1,195 @@
+"""Run one flywheel round as cached stages (see ``posttrain.flywheel.stages``).
+
+data → base model (pretrained here) → curate → SFT (tiered curriculum) → rejection sampling →
+DPO → eval of base, SFT and DPO → paired comparisons → ``report.html`` + ``report.json``.
+
+Every stage runs the same recipe code a user runs from the CLI; the flywheel only wires paths.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config.loader import load_config
+from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
+from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
+from posttrain.flywheel.stages import StageRunner
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+EXIT_RESUMABLE = 75
+
+
+class StageInterrupted(RuntimeError):
+    """A training stage was preempted; its checkpoint is saved and a re-run resumes it."""
+
+
+def _recipe_path(path: str) -> Path:
+    candidate = Path(path)
+    if candidate.exists():
+        return candidate
+    packaged = REPO_ROOT / path
+    if packaged.exists():
+        return packaged
+    raise FileNotFoundError(f"stage recipe {path} not found (looked in . and {REPO_ROOT})")
+
+
+def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any]) -> None:
+    """Run a registered recipe from its YAML + the stage's overrides + the flywheel's wiring."""
+    load_builtin_recipes()
+    overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in {**stage.overrides, **wiring}.items()]
+    config = load_config(RECIPES[name].schema, _recipe_path(stage.recipe), overrides)
+    code = run_recipe(name, config)
+    if code == EXIT_RESUMABLE:
+        raise StageInterrupted(f"{name} was preempted; rerun the same command to resume")
+    if code != 0:
+        raise RuntimeError(f"stage {name} failed with exit code {code}")
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
+    with open(path, "w", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+
+
+def stage_data(config: FlywheelRecipe, out: Path) -> dict[str, Any]:
+    from posttrain.data.io import write_records
+    from posttrain.tasks.corpus import pretrain_corpus
+    from posttrain.tasks.emit import flywheel_suite, rl_prompts
+    from posttrain.tasks.pool import raw_pool
+
+    pool = raw_pool(config.data.raw_pool, config.seed)
+    write_jsonl(out / "raw.jsonl", pool)
+    write_records(str(out / "prompts.jsonl"), rl_prompts(config.data.rl_prompts, config.seed + 1))
+    corpus = pretrain_corpus(config.base.corpus_documents, config.seed)
+    (out / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus) + "\n", encoding="utf-8")
+    suite = flywheel_suite(n_per_cell=config.eval.n_per_cell, seed=config.seed)
+    write_jsonl(out / "suite.jsonl", [item.model_dump(mode="json") for item in suite.items])
+    (out / "suite_weights.json").write_text(json.dumps(suite.group_weights))
+    return {
+        "raw": str(out / "raw.jsonl"),
+        "prompts": str(out / "prompts.jsonl"),
+        "corpus": str(out / "corpus.txt"),
+        "suite": str(out / "suite.jsonl"),
+        "counts": {"raw": len(pool), "corpus": len(corpus), "eval_items": len(suite.items)},
+    }
+
+
+def stage_base(config: FlywheelRecipe, data: dict[str, Any], out: Path) -> dict[str, Any]:
+    from posttrain.models.tiny import build_tiny_model
+
+    corpus = Path(data["corpus"]).read_text(encoding="utf-8").splitlines()
+    pool_texts = []
+    with open(data["raw"], encoding="utf-8") as handle:
+        for line in handle:
+            row = json.loads(line)
+            pool_texts += [row.get("prompt", ""), row.get("response", "")]
+    spec = config.base
+    init = build_tiny_model(
+        out / "init",
+        texts=corpus + pool_texts,
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        num_layers=spec.layers,
+        num_heads=spec.heads,
+        num_kv_heads=spec.kv_heads,
+        seed=config.seed,
+    )
+    wiring = {"model.path": str(init), "data.train": data["corpus"], "output_dir": str(out / "pretrain")}
+    run_stage_recipe("pretrain", spec.pretrain, wiring)
+    return {"model": str(out / "pretrain" / "final"), "metrics": str(out / "pretrain" / "metrics.jsonl")}
+
+
+def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Path, label: str) -> dict[str, Any]:
+    from posttrain.eval.harness import evaluate
+    from posttrain.eval.items import load_suite
+    from posttrain.generate.engine import HFBackend, SamplingParams
+
+    suite = load_suite(suite_path)
+    weights_file = Path(suite_path).with_name("suite_weights.json")
+    if weights_file.exists():
+        suite.group_weights = json.loads(weights_file.read_text())
+    backend = HFBackend.from_path(model_path)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.eval.max_new_tokens, seed=config.seed)
+    results = evaluate(
+        backend, suite, params, batch_size=config.eval.batch_size, n_boot=config.eval.n_boot,
+        seed=config.seed, model_name=label,
+    )
+    path = out / "results.json"
+    path.write_text(json.dumps(results, indent=1))
+    composite = results["scores"]["composite"]
+    return {"results": str(path), "composite": composite["score"], "ci": [composite["ci_low"], composite["ci_high"]]}
+
+
+def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> dict[str, Any]:
+    from posttrain.eval.stats import compare_results
+
+    def load(name: str) -> dict:
+        return json.loads(Path(evals[name]).read_text())
+
+    comparisons = {}
+    for base, new in (("base", "sft"), ("sft", "dpo"), ("base", "dpo")):
+        result = compare_results(load(base), load(new), n_boot=config.eval.n_boot, n_perm=config.eval.n_perm,
+                                 seed=config.seed)
+        comparisons[f"{base}->{new}"] = result
+    path = out / "comparisons.json"
+    path.write_text(json.dumps(comparisons, indent=1))
+    return {"comparisons": str(path)}
+
+
+def run_flywheel(config: FlywheelRecipe) -> int:
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    runner = StageRunner(run_dir)
+    dump = config.model_dump(mode="json")
+    try:
+        data = runner.run("data", {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents},
+                          [], lambda out: stage_data(config, out))
+        base = runner.run("base", dump["base"], ["data"], lambda out: stage_base(config, data, out))
+        curate = runner.run(
+            "curate", dump["curate"], ["data"],
+            lambda out: _run_and_list("curate", config.curate, {"data.input": data["raw"], "output_dir": str(out)}, out),
+        )
+        sft = runner.run(
+            "sft", dump["sft"], ["base", "curate"],
+            lambda out: _run_and_list("sft", config.sft, {"model.path": base["model"], "data.train": str(out.parent / "curate" / "kept.jsonl"), "output_dir": str(out)}, out),
+        )
+        sample = runner.run(
+            "sample", dump["sample"], ["sft", "data"],
+            lambda out: _run_and_list("sample", config.sample, {"data.input": data["prompts"], "policy.path": str(run_dir / "sft" / "final"), "output_dir": str(out)}, out),
+        )
+        runner.run(
+            "dpo", dump["dpo"], ["sft", "sample"],
+            lambda out: _run_and_list("dpo", config.dpo, {"model.path": str(run_dir / "sft" / "final"), "data.train": str(run_dir / "sample" / "preferences.jsonl"), "output_dir": str(out)}, out),
+        )
+        models = {"base": base["model"], "sft": str(run_dir / "sft" / "final"), "dpo": str(run_dir / "dpo" / "final")}
+        evals = {}
+        for label, model_path in models.items():
+            result = runner.run(
+                f"eval_{label}", {"eval": dump["eval"], "model": label}, ["data", "base" if label == "base" else label],
+                lambda out, m=model_path, lab=label: stage_eval(m, data["suite"], config, out, lab),
+            )
+            evals[label] = result["results"]
+        runner.run("compare", dump["eval"], ["eval_base", "eval_sft", "eval_dpo"],
+                   lambda out: stage_compare(evals, config, out))
+        from posttrain.flywheel.report import build_report
+
+        report = build_report(run_dir, config, runner.timings())
+    except StageInterrupted as exc:
+        print(f"[flywheel] {exc}", file=sys.stderr)
+        return EXIT_RESUMABLE
+    print(f"\nreport: {report['html']}\nnumbers: {report['json']}")
+    for line in report["summary"]:
+        print(line)
+    return 0
+
+
+def _run_and_list(name: str, stage: StageRecipe, wiring: dict[str, Any], out: Path) -> dict[str, Any]:
+    run_stage_recipe(name, stage, wiring)
+    return {"files": sorted(p.name for p in out.iterdir())}
