@@ -1,0 +1,444 @@
+"""SFT throughput: posttrain vs TRL's ``SFTTrainer``, plus the activation-checkpointing trade-off.
+
+Trains the same model on the same chats, with packing, the same batch size (packed rows per step),
+the same max length and the same optimizer (AdamW, constant lr, clip 1.0), fp32 on CPU with the same
+number of torch threads, each framework in its own subprocess so that peak RSS is per framework
+(``ru_maxrss`` of that child, from ``os.wait4``). Prints ONE JSON line.
+
+Equal work, honestly counted:
+
+- Both train on exactly the same tokens: the chats are tokenised once with posttrain's
+  ``tokenize_chat`` (assistant-only labels) and TRL gets that pre-tokenised dataset
+  (``input_ids`` + ``labels`` columns, which ``SFTTrainer`` keeps as they are).
+- What differs is each framework's own packing: posttrain packs in curriculum order into rows of
+  exactly ``max_length`` (the tail of a row is padding it computes but does not count); TRL packs
+  best-fit-decreasing and, padding-free, flattens the batch into one ``[1, rows x max_length]``
+  sequence. Throughput therefore counts only real (non-pad) tokens, per second.
+- A step's time is the wall time between the ends of consecutive optimizer steps (posttrain: when the
+  loop logs the step; TRL: ``on_step_end``), so it includes data collation, the health check,
+  logging and anything else each framework does per step. The first ``--warmup-steps`` are not timed;
+  ``median_step_s`` is the median over the timed steps and ``tokens_per_s`` = mean tokens per timed
+  step / median step time (the median keeps one slow step from a busy machine out of the figure).
+
+Usage: ``python benchmarks/sft_throughput.py`` (builds a ~5M-parameter Llama with a 4k vocabulary and
+~100-token chats under ``--work-dir`` on first use) or ``--model DIR --data FILE.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+SYSTEM_PROMPT = "You are a careful assistant. Answer briefly."
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def build_default_inputs(work_dir: Path, n_chats: int, seed: int = 0) -> tuple[Path, Path]:
+    """A ~5M-parameter Llama (hidden 256, 4 layers, 4 heads, MLP 688, vocab 4096) and ~100-token chats.
+
+    Chats string 2-6 single-turn task problems (``posttrain.tasks``) into one conversation after a
+    system prompt. Cached: an existing model directory and data file are reused as they are.
+    """
+    model_dir, data_path = work_dir / "model", work_dir / f"chats-{n_chats}-seed{seed}.jsonl"
+    if (model_dir / "config.json").exists() and data_path.exists():
+        return model_dir, data_path
+    from posttrain.data.io import write_records
+    from posttrain.data.records import Message, SFTExample
+    from posttrain.models.tiny import build_tiny_model
+    from posttrain.tasks.corpus import pretrain_corpus
+    from posttrain.tasks.emit import sft_examples
+
+    rng = random.Random(seed)
+    singles = sft_examples(n_chats * 6, seed, unique=False)  # chats need more problems than some families hold
+    chats, cursor = [], 0
+    while len(chats) < n_chats:
+        turns = singles[cursor : cursor + rng.randint(2, 6)]
+        cursor += len(turns)
+        messages = [Message(role="system", content=SYSTEM_PROMPT)] + [m for t in turns for m in t.messages]
+        chats.append(SFTExample(id=f"bench-{seed}-{len(chats):05d}", messages=messages, tier=max(t.tier for t in turns)))
+    work_dir.mkdir(parents=True, exist_ok=True)
+    write_records(data_path, chats)
+    # Number runs give BPE enough merges to fill a 4096-token vocabulary (the task texts alone stop near 3.2k).
+    texts = [m.content for c in chats for m in c.messages] + pretrain_corpus(2000, seed)
+    texts += [" ".join(str(i) for i in range(start, start + 100)) for start in range(0, 10000, 100)]
+    build_tiny_model(
+        model_dir, texts=texts, vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
+        num_kv_heads=2, intermediate_size=688, max_position_embeddings=2048, seed=seed,
+    )
+    return model_dir, data_path
+
+
+def tokenized_chats(model_dir: str, data_path: str, max_length: int):
+    """Chats tokenised by posttrain (assistant-only labels), in file order — what both frameworks train on."""
+    from posttrain.data.io import read_records
+    from posttrain.data.tokenize import tokenize_chat
+    from posttrain.models.load import load_tokenizer
+    from posttrain.train.sft import loss_tokens
+
+    tokenizer = load_tokenizer(model_dir)
+    records, _ = read_records(data_path, kind="sft", fmt="auto", on_error="raise")
+    examples = [tokenize_chat(r, tokenizer, max_length, "right") for r in records]
+    return [e for e in examples if loss_tokens(e.labels) > 0], tokenizer
+
+
+# ----------------------------------------------------------------------------- children
+
+
+def _stamp() -> tuple[float, float]:
+    """(wall clock, CPU seconds of this process): CPU time shows the work when other jobs share the cores."""
+    return time.perf_counter(), time.process_time()
+
+
+def _step_figures(stamps: list[tuple[float, float]], tokens: list[int], loss_tokens: list[int], warmup: int) -> dict:
+    """Throughput over the timed steps; step ``i``'s time is ``stamps[i] - stamps[i - 1]``."""
+    if len(stamps) != len(tokens) or len(stamps) <= warmup + 1:
+        raise RuntimeError(f"{len(stamps)} step stamps and {len(tokens)} token counts: not enough timed steps")
+    timed = range(max(warmup, 1), len(stamps))
+    times = [stamps[i][0] - stamps[i - 1][0] for i in timed]
+    cpu_times = [stamps[i][1] - stamps[i - 1][1] for i in timed]
+    median = statistics.median(times)
+    mean_tokens = statistics.fmean(tokens[i] for i in timed)
+    mean_loss_tokens = statistics.fmean(loss_tokens[i] for i in timed)
+    return {
+        "tokens_per_s": mean_tokens / median,
+        "loss_tokens_per_s": mean_loss_tokens / median,
+        "median_step_s": median,
+        "mean_tokens_per_step": mean_tokens,
+        "mean_loss_tokens_per_step": mean_loss_tokens,
+        "steps_timed": len(times),
+        "step_times_s": times,
+        "step_cpu_s": cpu_times,
+    }
+
+
+def run_posttrain_child(spec: dict) -> dict:
+    """Run ``posttrain sft`` in this process; stamp each optimizer step as the loop logs it."""
+    import torch
+    import yaml
+
+    from posttrain.cli import main as cli_main
+    from posttrain.train import metrics
+
+    torch.set_num_threads(spec["threads"])
+    out = Path(spec["out_dir"])
+    config = {
+        "recipe": "sft",
+        "output_dir": str(out),
+        "model": {"path": spec["model"], "dtype": "float32", "attn_implementation": "sdpa"},
+        "data": {"train": spec["data"], "packing": True, "curriculum": "none", "shuffle": True},
+        "train": {
+            "batch_size": spec["batch_size"],
+            "grad_accum": 1,
+            "max_length": spec["max_length"],
+            "max_steps": spec["warmup_steps"] + spec["steps"],
+            "lr": spec["lr"],
+            "lr_schedule": "constant",
+            "warmup_steps": 0,
+            "weight_decay": 0.0,
+            "betas": [0.9, 0.999],
+            "max_grad_norm": 1.0,
+            "precision": "fp32",
+            "fsdp": "off",
+            "activation_checkpointing": spec["ac"],
+            "seed": 0,
+        },
+        "metrics": {"tensorboard": False},  # TRL runs with report_to="none"
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "bench.yaml").write_text(yaml.safe_dump(config))
+    stamps: list[tuple[float, float]] = []
+    original_log = metrics.MetricsSink.log
+
+    def stamped_log(self, record, advance=True):
+        if advance:
+            stamps.append(_stamp())
+        return original_log(self, record, advance)
+
+    metrics.MetricsSink.log = stamped_log
+    code = cli_main(["sft", "--config", str(out / "bench.yaml")])
+    if code != 0:
+        raise RuntimeError(f"posttrain sft exited with {code}")
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [s for s in steps if "tokens_per_s" in s]
+    tokens = [round(s["tokens_per_s"] * s["step_time_s"]) for s in steps]
+    loss_tokens = [round(s["loss_tokens_per_s"] * s["step_time_s"]) for s in steps]
+    figures = _step_figures(stamps, tokens, loss_tokens, spec["warmup_steps"])
+    figures["final_loss"] = steps[-1]["loss"]
+    return figures
+
+
+def run_trl_child(spec: dict) -> dict:
+    """Run TRL's ``SFTTrainer`` with packing on the pre-tokenised chats; stamp ``on_step_end``."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    torch.set_num_threads(spec["threads"])
+    examples, tokenizer = tokenized_chats(spec["model"], spec["data"], spec["max_length"])
+    dataset = Dataset.from_dict({"input_ids": [e.input_ids for e in examples], "labels": [e.labels for e in examples]})
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32, attn_implementation="sdpa")
+    args = SFTConfig(
+        output_dir=spec["out_dir"],
+        packing=True,  # packing_strategy "bfd" (the default) turns on padding-free batches
+        max_length=spec["max_length"],
+        per_device_train_batch_size=spec["batch_size"],
+        gradient_accumulation_steps=1,
+        max_steps=spec["warmup_steps"] + spec["steps"],
+        learning_rate=spec["lr"],
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        adam_beta1=0.9,
+        adam_beta2=0.999,
+        max_grad_norm=1.0,
+        optim="adamw_torch",
+        gradient_checkpointing=False,  # SFTConfig defaults to True; posttrain's baseline is activation_checkpointing=none
+        bf16=False,  # SFTConfig defaults to True; fp32 like posttrain
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        dataloader_num_workers=0,
+        seed=0,
+        disable_tqdm=True,
+    )
+    stamps: list[tuple[float, float]] = []
+
+    class StepStamps(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
+            stamps.append(_stamp())
+
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[StepStamps()])
+    tokens: list[int] = []
+    loss_tokens: list[int] = []
+    collate = trainer.data_collator
+
+    def counting_collator(features):
+        batch = collate(features)
+        mask = batch.get("attention_mask")
+        tokens.append(int(mask.sum()) if mask is not None else int(batch["input_ids"].numel()))
+        loss_tokens.append(int((batch["labels"][:, 1:] != -100).sum()))
+        return batch
+
+    trainer.data_collator = counting_collator
+    result = trainer.train()
+    # One collated batch per optimizer step (grad_accum 1, no workers, no eval).
+    figures = _step_figures(stamps, tokens[: len(stamps)], loss_tokens[: len(stamps)], spec["warmup_steps"])
+    logged = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    figures["final_loss"] = float(logged[-1]) if logged else float(result.training_loss)
+    figures["packed_rows"] = len(trainer.train_dataset)
+    return figures
+
+
+def child_main(framework: str, spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    figures = run_posttrain_child(spec) if framework == "posttrain" else run_trl_child(spec)
+    Path(spec["result_path"]).write_text(json.dumps(figures))
+    return 0
+
+
+# ----------------------------------------------------------------------------- parent
+
+
+def run_child(framework: str, spec: dict, work_dir: Path, tag: str) -> dict:
+    """Run one framework in a fresh subprocess; return its figures plus its own peak RSS."""
+    run_dir = work_dir / "runs" / tag
+    if run_dir.exists():
+        import shutil
+
+        shutil.rmtree(run_dir)
+    run_dir.mkdir(parents=True)
+    spec = {**spec, "out_dir": str(run_dir / "out"), "result_path": str(run_dir / "result.json")}
+    spec_path = run_dir / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    threads = str(spec["threads"])
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    log = open(run_dir / "child.log", "w")  # noqa: SIM115 - closed below
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--child", framework, "--spec", str(spec_path)], stdout=log, stderr=log, env=env
+    )
+    _, status, usage = os.wait4(process.pid, 0)
+    process.returncode = os.waitstatus_to_exitcode(status)
+    log.close()
+    if process.returncode != 0:
+        tail = (run_dir / "child.log").read_text()[-3000:]
+        raise RuntimeError(f"{tag} failed with exit code {process.returncode}; log {run_dir / 'child.log'}:\n{tail}")
+    figures = json.loads((run_dir / "result.json").read_text())
+    figures["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux reports KiB
+    figures["wall_s"] = time.perf_counter() - started
+    print(
+        f"[sft_throughput] {tag}: {figures['tokens_per_s']:.0f} tok/s, median step {figures['median_step_s']:.3f}s, "
+        f"peak RSS {figures['peak_rss_mb']:.0f} MB",
+        file=sys.stderr,
+        flush=True,
+    )
+    return figures
+
+
+def combine(runs: list[dict]) -> dict:
+    """Pool repeats: median step over every timed step, peak RSS the largest seen."""
+    times = [t for r in runs for t in r["step_times_s"]]
+    median = statistics.median(times)
+    cpu_median = statistics.median(t for r in runs for t in r["step_cpu_s"])
+    mean_tokens = statistics.fmean(r["mean_tokens_per_step"] for r in runs)
+    mean_loss_tokens = statistics.fmean(r["mean_loss_tokens_per_step"] for r in runs)
+    return {
+        "tokens_per_s": round(mean_tokens / median, 1),
+        "loss_tokens_per_s": round(mean_loss_tokens / median, 1),
+        "median_step_s": round(median, 4),
+        "median_step_cpu_s": round(cpu_median, 4),
+        "tokens_per_cpu_s": round(mean_tokens / cpu_median, 1),
+        "peak_rss_mb": round(max(r["peak_rss_mb"] for r in runs), 1),
+        "steps_timed": len(times),
+        "mean_tokens_per_step": round(mean_tokens, 1),
+        "mean_loss_tokens_per_step": round(mean_loss_tokens, 1),
+        "per_repeat_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs],
+        "final_loss": [round(r["final_loss"], 4) for r in runs],
+    }
+
+
+def machine(threads: int) -> dict:
+    import torch
+    import transformers
+    import trl
+
+    cpu = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": threads,
+        "load_avg_1m_at_start": round(os.getloadavg()[0], 2),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "trl": trl.__version__,
+    }
+
+
+def count_model_parameters(model_dir: Path) -> int:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_dir)
+    return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF model directory (default: build a ~5M-parameter Llama, 4k vocab)")
+    parser.add_argument("--data", help="SFT JSONL (default: ~100-token chats from posttrain.tasks)")
+    parser.add_argument("--work-dir", default="runs/bench/sft_throughput", help="cache for the default model/data and runs")
+    parser.add_argument("--chats", type=int, default=2000, help="chats in the default data set")
+    parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (both frameworks)")
+    parser.add_argument("--max-length", type=int, default=512, help="packed row length (both frameworks)")
+    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed optimizer steps before timing")
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    parser.add_argument("--frameworks", default="posttrain,trl", help="comma list of posttrain, trl")
+    parser.add_argument("--ac", default="none,full,selective", help="posttrain activation_checkpointing modes to time ('' for none)")
+    parser.add_argument("--repeats", type=int, default=1, help="alternate the runs this many times and pool them")
+    parser.add_argument("--child", choices=("posttrain", "trl"), help=argparse.SUPPRESS)
+    parser.add_argument("--spec", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        return child_main(args.child, args.spec)
+    frameworks = [f for f in args.frameworks.split(",") if f]
+    ac_modes = [m for m in args.ac.split(",") if m]
+    for name in frameworks:
+        if name not in ("posttrain", "trl"):
+            raise SystemExit(f"--frameworks: unknown framework {name!r}; choose from posttrain, trl")
+    for mode in ac_modes:
+        if mode not in ("none", "full", "selective"):
+            raise SystemExit(f"--ac: unknown mode {mode!r}; choose from none, full, selective")
+    work_dir = Path(args.work_dir).resolve()
+    if bool(args.model) != bool(args.data):
+        raise SystemExit("give both --model and --data, or neither (then both are built under --work-dir)")
+    if args.model:
+        model_dir, data_path = Path(args.model).resolve(), Path(args.data).resolve()
+    else:
+        model_dir, data_path = build_default_inputs(work_dir, args.chats)
+    examples, _ = tokenized_chats(str(model_dir), str(data_path), args.max_length)
+    spec = {
+        "model": str(model_dir), "data": str(data_path), "batch_size": args.batch_size, "max_length": args.max_length,
+        "steps": args.steps, "warmup_steps": args.warmup_steps, "lr": args.lr, "threads": args.threads, "ac": "none",
+    }
+    # posttrain with AC "none" is the framework comparison's posttrain run; other modes are extra runs.
+    plan = [("trl", "none")] if "trl" in frameworks else []
+    if "posttrain" in frameworks or ac_modes:
+        plan += [("posttrain", mode) for mode in dict.fromkeys(["none", *ac_modes])]
+    results: dict[tuple[str, str], list[dict]] = {key: [] for key in plan}
+    for repeat in range(args.repeats):
+        order = plan if repeat % 2 == 0 else plan[::-1]  # alternate, so drift in machine load hits both sides
+        for framework, mode in order:
+            tag = f"{framework}-ac_{mode}-r{repeat}"
+            results[(framework, mode)].append(run_child(framework, {**spec, "ac": mode}, work_dir, tag))
+    pooled = {key: combine(runs) for key, runs in results.items()}
+    report: dict = {
+        "benchmark": "sft_throughput",
+        "model": str(model_dir),
+        "model_parameters": count_model_parameters(model_dir),
+        "data": str(data_path),
+        "examples": len(examples),
+        "mean_example_tokens": round(statistics.fmean(len(e.input_ids) for e in examples), 1),
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "warmup_steps": args.warmup_steps,
+        "repeats": args.repeats,
+        "frameworks": {},
+    }
+    if ("posttrain", "none") in pooled and "posttrain" in frameworks:
+        report["frameworks"]["posttrain"] = pooled[("posttrain", "none")]
+    if ("trl", "none") in pooled:
+        report["frameworks"]["trl"] = pooled[("trl", "none")]
+    if {"posttrain", "trl"} <= report["frameworks"].keys():
+        ours, theirs = report["frameworks"]["posttrain"], report["frameworks"]["trl"]
+        report["ratios"] = {
+            "tokens_per_s": round(ours["tokens_per_s"] / theirs["tokens_per_s"], 3),
+            "loss_tokens_per_s": round(ours["loss_tokens_per_s"] / theirs["loss_tokens_per_s"], 3),
+            "peak_rss": round(ours["peak_rss_mb"] / theirs["peak_rss_mb"], 3),
+            "tokens_per_cpu_s": round(ours["tokens_per_cpu_s"] / theirs["tokens_per_cpu_s"], 3),
+        }
+        report["target_met"] = report["ratios"]["tokens_per_s"] >= 1.5 and report["ratios"]["peak_rss"] <= 1.0
+    if ac_modes:
+        base = pooled[("posttrain", "none")]
+        report["activation_checkpointing"] = {
+            mode: {
+                "tokens_per_s": pooled[("posttrain", mode)]["tokens_per_s"],
+                "median_step_s": pooled[("posttrain", mode)]["median_step_s"],
+                "median_step_cpu_s": pooled[("posttrain", mode)]["median_step_cpu_s"],
+                "peak_rss_mb": pooled[("posttrain", mode)]["peak_rss_mb"],
+                "speed_vs_none": round(pooled[("posttrain", mode)]["tokens_per_s"] / base["tokens_per_s"], 3),
+                "peak_rss_saved_mb": round(base["peak_rss_mb"] - pooled[("posttrain", mode)]["peak_rss_mb"], 1),
+            }
+            for mode in dict.fromkeys(["none", *ac_modes])
+        }
+    report["machine"] = machine(args.threads)
+    print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
