@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := dev,datasets,tensorboard,report,embeddings,bench
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench clean chromium
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,7 +16,11 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 demo: $(BIN)/.installed
 	$(BIN)/python -m posttrain demo
 
-test: $(BIN)/.installed
+# Browser tests open the HTML report in Debian's headless Chromium.
+chromium:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+
+test: $(BIN)/.installed chromium
 	$(BIN)/python -m pytest -q tests
 
 lint: $(BIN)/.installed

@@ -121,8 +121,6 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
 
 _CHECK_SCRIPT = """
 <script>
-window.__reportErrors = window.__reportErrors || [];
-window.addEventListener('error', function (e) { window.__reportErrors.push(String(e.message || e)); });
 window.addEventListener('load', function () {
   setTimeout(function () {
     var charts = document.querySelectorAll('.js-plotly-plot');
