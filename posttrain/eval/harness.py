@@ -27,6 +27,7 @@ from posttrain.eval.stats import capability_scores
 from posttrain.eval.verifiers import CODE_SETTINGS, VerifyResult, verify
 from posttrain.generate.engine import Backend, SamplingParams
 
+
 class MissingOutputs(ValueError):
     """Some suite items have no output and the caller did not allow scoring them 0."""
 
