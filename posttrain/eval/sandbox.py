@@ -129,6 +129,8 @@ def _masks(run_dir: Path) -> list[dict]:
                 break
     for directory, keep in hidden.items():
         keep.update(p for p in _needed_prefixes() if directory in p.parents)
+    # Never hide the run's own directory (e.g. TMPDIR inside the home directory).
+    hidden = {d: k for d, k in hidden.items() if d not in run_dir.resolve().parents}
     outer = {d: k for d, k in hidden.items() if not any(o in d.parents for o in hidden)}
     masks = []
     for directory, keep in sorted(outer.items()):

@@ -219,3 +219,15 @@ def test_unprivileged_user_path_with_user_namespace(tmp_path):
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report == {"support": True, "fork": "blocked", "write": "blocked", "net": "blocked", "ok": "fine"}
     assert not Path("/tmp/posttrain-unpriv-escape").exists()
+
+
+def test_masks_hide_home_but_never_the_run_directory(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "run").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    elsewhere = sandbox._masks(tmp_path / "elsewhere")
+    assert {"dir": str(home.resolve()), "keep": []} in elsewhere
+    inside = sandbox._masks(home / "run")
+    assert all(mask["dir"] != str(home.resolve()) for mask in inside)
+    for mask in elsewhere:  # whatever is hidden, the interpreter is mounted back
+        assert all(Path(k).is_relative_to(mask["dir"]) for k in mask["keep"])
