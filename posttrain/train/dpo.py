@@ -65,6 +65,17 @@ def parallelize_root(config, root: torch.nn.Module, lm: torch.nn.Module) -> None
     say(f"model {config.model.path}: {count_parameters(lm) / 1e6:.2f}M parameters; {applied}")
 
 
+def reshard(root: torch.nn.Module) -> None:
+    """After a forward without backward, put FSDP2's root parameters back to their sharded form.
+
+    FSDP2 keeps the root's parameters unsharded after its forward (backward would reshard them). An
+    evaluation pass has no backward, and an optimizer built afterwards would then hold the unsharded
+    tensors instead of the sharded parameters.
+    """
+    if hasattr(root, "reshard"):
+        root.reshard()
+
+
 def reference_spec(config: DPORecipe) -> ReferenceSpec:
     return ReferenceSpec(
         path=config.dpo.reference_model or config.model.path,
@@ -149,6 +160,10 @@ def dpo_objective(
         count = pc.shape[0]
         means = preference_metrics(pc, pr, rc, rr, beta=config.dpo.beta, chosen_lengths=lc, rejected_lengths=lr)
         metrics = {key: value * count for key, value in means.items()}
+        if rc is not None:
+            # Per pair, then summed: a mean over pairs that does not depend on how pairs are split into
+            # micro-batches or ranks (preference_metrics' token-weighted mean would).
+            metrics["kl_to_ref"] = float((((pc - rc) + (pr - rr)) / (lc + lr)).detach().sum())
         if sft is not None:
             metrics["loss/sft"] = float(sft.detach().sum())
         if running_bco and model.training:
@@ -229,6 +244,7 @@ def evaluate_pairs(
             float((pc / lc > pr / lr).sum()), float(pc.shape[0]),
         ], dtype=torch.float64)
     root.train()
+    reshard(root)
     dist.all_reduce_sum(totals)
     count = max(float(totals[5]), 1.0)
     return {

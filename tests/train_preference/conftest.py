@@ -20,11 +20,12 @@ FRUITS = ["apple", "banana", "cherry", "grape", "lemon", "mango", "peach", "plum
 STONES = ["rock", "stone", "brick", "sand", "slate", "clay", "flint", "gravel"]
 
 
-def preference_rows(n: int, seed: int) -> list[dict]:
+def preference_rows(n: int, seed: int, conditional: bool = True) -> list[dict]:
+    """``conditional``: the prompt says which kind is wanted (half each); otherwise fruits are always preferred."""
     rng = random.Random(seed)
     rows = []
     for i in range(n):
-        wants_fruit = i % 2 == 0
+        wants_fruit = i % 2 == 0 or not conditional
         good, bad = (FRUITS, STONES) if wants_fruit else (STONES, FRUITS)
         topic = "fruits" if wants_fruit else "stones"
         g1, g2 = rng.sample(good, 2)

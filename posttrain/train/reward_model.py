@@ -1,0 +1,279 @@
+"""``posttrain rm``: a Bradley–Terry reward model — the LM with a scalar head on the last token.
+
+setup → train → evaluate → export, on the shared loop:
+
+1. read and tokenise preference pairs as ``posttrain dpo`` does; without ``data.eval``, a fixed
+   fraction of them (chosen by a hash of the pair id, so the split never changes) is held out;
+2. the model is ``AutoModelForSequenceClassification`` with ``num_labels=1`` (for Llama:
+   ``LlamaForSequenceClassification``; the score head starts from a seeded random init) and
+   ``pad_token_id`` set in its config; the reward of a sequence is the head applied to the final hidden
+   state of its last token (the end of the assistant turn);
+3. the loss is ``posttrain.algorithms.reward.bradley_terry_loss`` per pair, chosen and rejected in one
+   forward (one row per pair with the shared prompt, as in DPO);
+4. held-out pairwise accuracy before and after training (``eval.json``, and in ``metrics.jsonl``);
+5. export to ``output_dir/final`` in HF format (loadable by ``AutoModelForSequenceClassification``), plus
+   ``posttrain_reward.json`` with the tokenisation settings that ``load_reward_scorer`` reuses.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import AutoModelForSequenceClassification
+
+from posttrain import dist
+from posttrain.algorithms.reward import bradley_terry_loss
+from posttrain.config.preference import RewardModelRecipe
+from posttrain.data.records import Message
+from posttrain.data.tokenize import tokenize_prompt_completion
+from posttrain.models.load import DTYPES, load_tokenizer
+from posttrain.train.dpo import parallelize_root, reshard
+from posttrain.train.loop import Objective, train
+from posttrain.train.pairs import (
+    MODEL_KEYS,
+    PairData,
+    TokenizedPair,
+    collate_pairs,
+    decoder_hidden,
+    pair_summary,
+    read_pairs,
+    split_pairs,
+    write_jsonl,
+)
+from posttrain.train.runner import export_final, loop_settings, say, start_run
+from posttrain.train.stream import Difficulty, build_stream
+
+SCORER_SETTINGS = "posttrain_reward.json"
+
+
+class RewardModel(torch.nn.Module):
+    """Root module: ``.lm`` is the HF sequence-classification model; ``forward`` returns one reward per sequence.
+
+    The reward is read at ``last_index`` (flat indices into ``[rows × length]``) rather than where HF looks
+    for the last non-pad token, so it is right whatever the pad token is (even when pad = eos) and works
+    for the one-row-per-pair layout.
+    """
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+        if not isinstance(getattr(lm, "score", None), torch.nn.Module):
+            raise TypeError(f"{type(lm).__name__} has no `score` head; posttrain reward models need one "
+                            "(AutoModelForSequenceClassification of a decoder LM, e.g. Llama, Mistral, Qwen)")
+
+    def forward(self, input_ids, position_ids, attention_mask, last_index) -> torch.Tensor:
+        hidden = decoder_hidden(self.lm, input_ids, attention_mask, position_ids)
+        last = hidden.reshape(-1, hidden.shape[-1]).index_select(0, last_index)
+        return self.lm.score(last).squeeze(-1).float()
+
+
+def reward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    device = dist.device()
+    return {key: batch[key].to(device) for key in (*MODEL_KEYS, "last_index")}
+
+
+def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, pad_token_id: int,
+                   device: torch.device | str = "cpu") -> torch.nn.Module:
+    lm = AutoModelForSequenceClassification.from_pretrained(
+        path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+        trust_remote_code=trust_remote_code,
+    )
+    # HF's own forward finds the last token through pad_token_id: without it, batched scoring refuses to run.
+    lm.config.pad_token_id = pad_token_id
+    lm.config.use_cache = False
+    return lm.to(device)
+
+
+def holdout_split(pairs: list[TokenizedPair], fraction: float) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
+    """``(train, held_out)``: a pair is held out when a hash of its id falls below ``fraction`` (stable split)."""
+    def bucket(pair_id: str) -> float:
+        return int(hashlib.sha256(pair_id.encode()).hexdigest()[:8], 16) / 2**32
+
+    held = [p for p in pairs if bucket(p.id) < fraction]
+    kept = [p for p in pairs if bucket(p.id) >= fraction]
+    return kept, held
+
+
+def _check_scores(data: PairData, path: str) -> None:
+    missing = [p.id for p in data.pairs if p.chosen_score is None or p.rejected_score is None]
+    if missing:
+        raise ValueError(f"{path}: rm.score_margin needs chosen_score and rejected_score on every pair; "
+                         f"{len(missing)} pair(s) lack them (first: {missing[:3]}); set rm.score_margin=false")
+
+
+def _margins(pairs: list[TokenizedPair], enabled: bool) -> torch.Tensor | None:
+    if not enabled:
+        return None
+    return torch.tensor([p.chosen_score - p.rejected_score for p in pairs], dtype=torch.float32)
+
+
+def rm_objective(config: RewardModelRecipe, units: list[TokenizedPair], pad_id: int) -> Objective:
+    prefix_sharing = config.rm.prefix_sharing
+
+    def collate(pairs: list[TokenizedPair]) -> dict[str, Any]:
+        batch = collate_pairs(pairs, pad_id, prefix_sharing)
+        margin = _margins(pairs, config.rm.score_margin)
+        if margin is not None:
+            batch["margin"] = margin
+        return batch
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        chosen, rejected = split_pairs(model(**reward_inputs(batch)))
+        margin = batch.get("margin")
+        per_pair = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
+        with torch.no_grad():
+            metrics = {
+                "rewards/chosen": float(chosen.sum()),
+                "rewards/rejected": float(rejected.sum()),
+                "rewards/margin": float((chosen - rejected).sum()),
+                "accuracy": float((chosen > rejected).sum()),
+            }
+        return per_pair.sum(), metrics
+
+    def token_counts(pairs: list[TokenizedPair]) -> tuple[int, int]:
+        tokens = sum(p.row_tokens(prefix_sharing) for p in pairs)
+        return tokens, 2 * len(pairs)  # one scored position per sequence
+
+    return Objective(name="rm", units=units, collate=collate, normalizer=len, loss=loss, token_counts=token_counts)
+
+
+@torch.no_grad()
+def evaluate_rewards(config: RewardModelRecipe, root: torch.nn.Module, pairs: list[TokenizedPair],
+                     pad_id: int) -> dict[str, float]:
+    """Held-out Bradley–Terry loss and pairwise accuracy (ties count as wrong), sharded over ranks."""
+    batch_size, world, rank = config.train.batch_size, dist.world_size(), dist.rank()
+    totals = torch.zeros(4, dtype=torch.float64)
+    root.eval()
+    for index in range(math.ceil(len(pairs) / (batch_size * world))):
+        start = (index * world + rank) * batch_size
+        chunk = pairs[start : start + batch_size]
+        weight = 1.0 if chunk else 0.0
+        batch = collate_pairs(chunk or pairs[:1], pad_id, config.rm.prefix_sharing)
+        chosen, rejected = split_pairs(root(**reward_inputs(batch)))
+        margin = _margins(chunk or pairs[:1], config.rm.score_margin)
+        loss = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
+        totals += weight * torch.tensor([float(loss.sum()), float((chosen > rejected).sum()),
+                                         float((chosen - rejected).sum()), float(chosen.shape[0])],
+                                        dtype=torch.float64)
+    root.train()
+    reshard(root)
+    dist.all_reduce_sum(totals)
+    count = max(float(totals[3]), 1.0)
+    return {"loss": float(totals[0]) / count, "accuracy": float(totals[1]) / count,
+            "rewards/margin": float(totals[2]) / count, "pairs": int(totals[3])}
+
+
+def run_reward_model(config: RewardModelRecipe) -> int:
+    run = start_run(config)
+    try:
+        tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
+        pad_id = tokenizer.pad_token_id
+        data = read_pairs(config, config.data.train, tokenizer, "")
+        if config.data.eval:
+            train_pairs = data.pairs
+            held_out = read_pairs(config, config.data.eval, tokenizer, "-eval").pairs
+        else:
+            train_pairs, held_out = holdout_split(data.pairs, config.rm.holdout_fraction)
+            say(f"held out {len(held_out)} of {len(data.pairs)} pairs (rm.holdout_fraction={config.rm.holdout_fraction})")
+        if config.rm.score_margin:
+            _check_scores(data, config.data.train)
+        if not held_out:
+            raise ValueError("no held-out pairs: add data.eval or raise rm.holdout_fraction")
+        lm = load_reward_lm(config.model.path, config.model.dtype, config.model.attn_implementation,
+                            config.model.trust_remote_code, pad_id)
+        root = RewardModel(lm)
+        parallelize_root(config, root, lm)
+        world = dist.world_size()
+        per_step = config.train.batch_size * config.train.grad_accum * world
+        order = build_stream(
+            [Difficulty(p.tier, p.difficulty) for p in train_pairs], config.data.curriculum, config.train.seed,
+            config.train.epochs, per_step, config.train.max_steps, config.data.competence_start,
+            config.data.competence_steps, config.data.shuffle,
+        )
+        units = [train_pairs[i] for i in order]
+        say(f"{len(units)} pairs → {len(units) // per_step} steps of {per_step}")
+        write_jsonl(run.output_dir / "pairs.jsonl",
+                    [pair_summary(p, {"split": "train"}) for p in train_pairs]
+                    + [pair_summary(p, {"split": "held_out"}) for p in held_out])
+        if data.dropped_ids:
+            write_jsonl(run.output_dir / "dropped_pairs.jsonl", [{"id": i, "reason": r} for i, r in data.dropped_ids])
+        before = evaluate_rewards(config, root, held_out, pad_id)
+        code = train(root, rm_objective(config, units, pad_id), loop_settings(run, root, lm))
+        if code == 0:
+            after = evaluate_rewards(config, root, held_out, pad_id)
+            _write_eval(run.output_dir, len(units) // per_step, before, after)
+            final = export_final(run, root, lm, tokenizer)
+            if dist.is_main():
+                settings = {"max_length": config.train.max_length, "truncation_side": config.data.truncation_side,
+                            "held_out_accuracy": after["accuracy"]}
+                (final / SCORER_SETTINGS).write_text(json.dumps(settings, indent=1))
+        return code
+    finally:
+        dist.destroy()
+
+
+def _write_eval(output_dir: Path, step: int, before: dict, after: dict) -> None:
+    if not dist.is_main():
+        return
+    (output_dir / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
+    with open(output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
+        for phase, values in (("before_training", before), ("after_training", after)):
+            handle.write(json.dumps({"step": step, "eval_phase": phase,
+                                     **{f"eval/{k}": v for k, v in values.items()}}) + "\n")
+    say(f"held-out pairwise accuracy {before['accuracy']:.3f} → {after['accuracy']:.3f} "
+        f"({after['pairs']} pairs); loss {before['loss']:.3f} → {after['loss']:.3f}")
+
+
+# ------------------------------------------------------------------------------------------------ scoring
+
+Conversation = Sequence[Message | dict[str, Any]] | str
+
+
+def load_reward_scorer(
+    path: str | Path, device: str | torch.device | None = None, batch_size: int = 16, max_length: int | None = None,
+    dtype: str = "float32",
+) -> Callable[[list[tuple[Conversation, str]]], list[float]]:
+    """Load a reward model exported by ``posttrain rm``; return ``score(items) -> rewards``.
+
+    ``items`` is a list of ``(prompt_messages, response_text)``; the prompt may also be a plain string
+    (one user turn). Each response is scored as the assistant's reply through the chat template, the
+    same way the model was trained. ``max_length`` defaults to the training run's.
+    """
+    path = Path(path)
+    settings_path = path / SCORER_SETTINGS
+    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
+    max_length = max_length or settings.get("max_length", 2048)
+    side = settings.get("truncation_side", "left")
+    tokenizer = load_tokenizer(str(path))
+    device = torch.device(device) if device is not None else dist.device()
+    lm = load_reward_lm(str(path), dtype, "sdpa", False, tokenizer.pad_token_id, device).eval()
+    root = RewardModel(lm)
+
+    def score(items: list[tuple[Conversation, str]]) -> list[float]:
+        rewards: list[float] = []
+        for start in range(0, len(items), batch_size):
+            examples = []
+            for prompt, response in items[start : start + batch_size]:
+                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+                examples.append(tokenize_prompt_completion(
+                    messages, [{"role": "assistant", "content": response}], tokenizer, max_length, side).input_ids)
+            width = max(len(ids) for ids in examples)
+            input_ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
+            mask = torch.zeros((len(examples), width), dtype=torch.long)
+            for row, ids in enumerate(examples):
+                input_ids[row, : len(ids)] = torch.tensor(ids)
+                mask[row, : len(ids)] = 1
+            positions = torch.arange(width).expand(len(examples), -1)
+            last = torch.tensor([row * width + len(ids) - 1 for row, ids in enumerate(examples)])
+            with torch.no_grad():
+                values = root(input_ids.to(device), positions.to(device), mask.to(device), last.to(device))
+            rewards.extend(float(v) for v in values.cpu())
+        return rewards
+
+    return score
