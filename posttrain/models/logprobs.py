@@ -5,6 +5,8 @@ step (for a 128k vocabulary and 8k tokens it is 4 GiB). We never build it: the f
 at loss-bearing positions are gathered first (``[N, hidden]``), then pushed through the head
 ``chunk_size`` rows at a time. Each chunk runs under activation checkpointing, so the backward pass
 recomputes its logits instead of keeping them: peak extra memory is one ``[chunk, vocab]`` block.
+When all ``N x vocab`` float32 logits fit in ``KEEP_LOGITS_BYTES`` (small vocabularies, few loss
+tokens) they are kept instead: the recomputation would cost a head matmul and buy almost no memory.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 IGNORE_INDEX = -100
+# Below this many bytes of float32 logits, keep them for backward rather than recompute them.
+KEEP_LOGITS_BYTES = 64 * 2**20
 
 
 def select_loss_positions(
@@ -38,19 +42,25 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
 
 
 def chunked_token_logprobs(
-    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, chunk_size: int = 1024
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    chunk_size: int = 1024,
+    keep_logits_bytes: int = KEEP_LOGITS_BYTES,
 ) -> torch.Tensor:
     """``log softmax(hidden @ weight.T)[i, targets[i]]`` for each row, in float32, chunk by chunk.
 
-    Shapes: hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]`` → ``[N]``.
+    Shapes: hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]`` → ``[N]``. Under autograd each chunk
+    is checkpointed (its logits recomputed in backward) unless ``N * V * 4 <= keep_logits_bytes``.
     """
     if hidden.shape[0] == 0:
         return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
     pieces = []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
+    recompute = needs_grad and hidden.shape[0] * weight.shape[0] * 4 > keep_logits_bytes
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
-        if needs_grad:
+        if recompute:
             pieces.append(checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False))
         else:
             pieces.append(_chunk_logprobs(h, weight, t))
