@@ -38,7 +38,7 @@ def normalize_text(text: str, config: NormalizeConfig) -> tuple[str, int]:
         text = _TRAILING.sub("\n", text)
     blank_run = "\n" * (config.max_blank_lines + 2)
     if blank_run in text:
-        text = re.sub("\n{%d,}" % (config.max_blank_lines + 2), "\n" * (config.max_blank_lines + 1), text)
+        text = re.sub(f"\n{{{config.max_blank_lines + 2},}}", "\n" * (config.max_blank_lines + 1), text)
     return text.strip(), removed
 
 
