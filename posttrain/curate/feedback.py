@@ -22,7 +22,7 @@ from posttrain.curate.config import FeedbackRecipe, NearDedupConfig
 from posttrain.curate.dedup import exact_hashes
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
 from posttrain.curate.minhash import MinHasher, near_duplicate_clusters
-from posttrain.curate.rows import Drop, RecordShapeError, _as_messages, record_to_chat
+from posttrain.curate.rows import Drop, RecordShapeError, as_messages, record_to_chat
 from posttrain.data.records import PreferencePair, SFTExample, stable_id
 
 
@@ -74,7 +74,7 @@ def parse_feedback(raw: bytes) -> dict[str, Any] | Drop:
     if missing:
         return Drop("missing_field", f"missing {', '.join(missing)}")
     try:
-        prompt = _as_messages(record["prompt"], "prompt", allow_string=True)
+        prompt = as_messages(record["prompt"], "prompt", allow_string=True)
     except RecordShapeError as exc:
         return Drop(exc.reason, str(exc))
     bad, better = record["bad_response"], record["better_response"]

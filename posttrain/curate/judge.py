@@ -182,7 +182,7 @@ class LLMJudge:
         self.config, self.labels = config, list(labels)
         backend = config.backend
         if backend == "auto":
-            backend = "vllm" if _vllm_usable() else "hf"
+            backend = "vllm" if vllm_usable() else "hf"
         self.backend = get_backend(backend, model_path=config.model, dtype=config.dtype)
         self.params = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.max_new_tokens)
         self.fingerprint = f"llm:{model_fingerprint(config.model)}:{hashlib.sha256(RUBRIC.encode()).hexdigest()[:8]}"
@@ -197,7 +197,7 @@ class LLMJudge:
         return [parse_judgement(samples[0].text, self.labels) for samples in outputs]
 
 
-def _vllm_usable() -> bool:
+def vllm_usable() -> bool:
     import importlib.util
 
     import torch

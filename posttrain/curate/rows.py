@@ -105,7 +105,7 @@ class RecordShapeError(ValueError):
         super().__init__(detail)
 
 
-def _as_messages(value: Any, where: str, allow_string: bool = False) -> list[dict[str, str]]:
+def as_messages(value: Any, where: str, allow_string: bool = False) -> list[dict[str, str]]:
     if isinstance(value, str) and allow_string:
         return [{"role": "user", "content": value}]
     if not isinstance(value, list) or not value:
@@ -136,9 +136,9 @@ def record_to_chat(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         raise RecordShapeError("unknown_format", f"expected a JSON object, got {type(record).__name__}")
     meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
     if "messages" in record:
-        return _as_messages(record["messages"], "messages"), meta
+        return as_messages(record["messages"], "messages"), meta
     if "conversations" in record:
-        return _as_messages(record["conversations"], "conversations"), meta
+        return as_messages(record["conversations"], "conversations"), meta
     if "instruction" in record:
         instruction, extra = record.get("instruction"), record.get("input") or ""
         output = record.get("output")
@@ -147,7 +147,7 @@ def record_to_chat(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         prompt = f"{instruction}\n\n{extra}" if extra else instruction
         return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], meta
     if "prompt" in record:
-        messages = _as_messages(record["prompt"], "prompt", allow_string=True)
+        messages = as_messages(record["prompt"], "prompt", allow_string=True)
         for key in _RESPONSE_KEYS:
             if key in record:
                 if not isinstance(record[key], str):

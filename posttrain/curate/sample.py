@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from posttrain.curate.config import SampleRecipe
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
-from posttrain.curate.rows import Drop, RecordShapeError, _as_messages
+from posttrain.curate.rows import Drop, RecordShapeError, as_messages
 from posttrain.curate.scorers import JudgeScorer, PromptRecord, RewardModelScorer, Scorer, VerifierScorer
 from posttrain.data.records import stable_id
 
@@ -42,11 +42,11 @@ def parse_prompt(raw: bytes, line: int) -> PromptRecord | Drop:
     meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
     try:
         if "messages" in record:
-            messages = _as_messages(record["messages"], "messages")
+            messages = as_messages(record["messages"], "messages")
             while messages and messages[-1]["role"] == "assistant":
                 messages = messages[:-1]
         elif "prompt" in record:
-            messages = _as_messages(record["prompt"], "prompt", allow_string=True)
+            messages = as_messages(record["prompt"], "prompt", allow_string=True)
         else:
             return Drop("no_prompt", "record has no prompt or messages")
     except RecordShapeError as exc:
@@ -93,9 +93,9 @@ class Sampler:
         self.config = config
         kind = config.policy.backend
         if kind == "auto":
-            from posttrain.curate.judge import _vllm_usable
+            from posttrain.curate.judge import vllm_usable
 
-            kind = "vllm" if _vllm_usable() else "hf"
+            kind = "vllm" if vllm_usable() else "hf"
         self.backend = backend or get_backend(kind, model_path=config.policy.path, dtype=config.policy.dtype)
         s = config.sampling
         self.params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,

@@ -30,6 +30,7 @@ def test_ray_missing_says_how_to_install():
 
 
 @pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # raised inside Ray Data's own context setup
 @pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed")
 def test_ray_data_executor_matches_inline(raw_pool_file, tmp_path):
     ray = import_ray()
