@@ -55,16 +55,17 @@ def test_one_step_of_each_loss_widens_the_margin_on_its_batch(name, pref_model_d
 
 def test_dpo_learns_a_held_out_preference(pref_model_dir, pref_data, tmp_path):
     out = tmp_path / "dpo"
-    # The health guard's grad-norm z-score reads the jump in gradient norm when the pairs start to separate
-    # (about 0.3 → 3 here) as a spike and skips exactly the learning steps; its own tests live elsewhere.
+    # The gradient norm jumps (about 0.3 → 3 here) when the pairs start to separate; the default spike
+    # test (z > 6 against the quiet first steps) would skip exactly the learning steps (as in recipes/).
     extra = {"train.max_steps": 64, "train.lr": 2e-3, "train.save_every": 32, "dpo.sft_weight": 0.1,
-             "health.enabled": "false"}
+             "health.spike_zscore": 30}
     assert run_cli("dpo", dpo_overrides(pref_model_dir, pref_data, out, **extra)) == 0
     result = json.loads((out / "eval.json").read_text())
     before, after = result["before"], result["after"]
     # The base model has no idea which prompt wants which kind of word: a coin flip.
     assert 0.3 <= before["logps_accuracy"] <= 0.7
-    assert before["rewards/accuracy"] == 0.0  # policy == reference: every implicit reward is 0
+    # Policy == reference: every implicit reward is 0 up to float noise between batchings (ties count wrong).
+    assert before["rewards/accuracy"] <= 0.1
     assert after["rewards/accuracy"] >= 0.9
     assert after["logps_accuracy"] >= 0.85 and after["loss"] < before["loss"] - 0.3
     assert after["pairs"] == 64
