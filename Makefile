@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,datasets,tensorboard,report,embeddings,bench
+EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray
 
 .PHONY: demo test lint bench clean chromium
 

@@ -34,11 +34,19 @@ DEFAULT_TEXTS = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on ``texts`` with chat special tokens and a chat template."""
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, split_digits: bool = True) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` with chat special tokens and a chat template.
+
+    ``split_digits`` keeps every digit its own token (as Llama and PaLM do), so numbers are digit
+    sequences rather than one opaque token per number — arithmetic becomes learnable digit by digit.
+    """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if split_digits:
+        tokenizer.pre_tokenizer = pre_tokenizers.Sequence([byte_level, pre_tokenizers.Digits(individual_digits=True)])
+    else:
+        tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
     specials = [PAD, BOS, EOS, *ROLE_TOKENS]
     trainer = trainers.BpeTrainer(

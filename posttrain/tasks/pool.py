@@ -146,12 +146,18 @@ def _distinct_train_problems(count: int, seed: int) -> list[Problem]:
     return problems[:count]
 
 
-def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str, Any]]:
+def raw_pool(
+    n: int, seed: int, noise: NoiseMix | None = None, preamble_share: float = 1.0
+) -> list[dict[str, Any]]:
     """``n`` raw records (train split only), a ``noise`` share of them planted; shuffled, ids ``raw-000000``…
 
     Every duplicate comes after its source, so dedup keeping first occurrences drops exactly the
-    planted copies.
+    planted copies. ``preamble_share`` < 1 leaves that share of the *clean* records with their bare
+    task prompt (as users phrase them); planted records and near-duplicate sources keep the preamble,
+    which is what makes a one-word edit a near-duplicate under 5-word shingles.
     """
+    if not 0.0 <= preamble_share <= 1.0:
+        raise ValueError(f"preamble_share must be in [0, 1], got {preamble_share}")
     noise = noise or NoiseMix()
     counts = noise.counts(n)
     rng = random.Random(f"{seed}:raw_pool")
@@ -160,12 +166,14 @@ def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str,
     index = _ShingleIndex()
 
     def take(kind: str) -> dict[str, Any]:
+        # Drawn only when bare prompts are asked for, so the default pool stays what it always was.
+        bare = kind == "clean" and preamble_share < 1.0 and rng.random() >= preamble_share
         for _ in range(len(pending)):
             problem = pending.popleft()
             if kind == "truncated" and len(problem.answer) < 2:  # nothing to cut: keep it for another kind
                 pending.append(problem)
                 continue
-            record = _record(problem, rng, kind)
+            record = _record(problem, rng, kind, bare=bare)
             if index.add_if_distinct(record["prompt"]):
                 return record
         raise ValueError(f"raw_pool: ran out of distinct train problems for a pool of {n}; lower n")
@@ -176,8 +184,11 @@ def raw_pool(n: int, seed: int, noise: NoiseMix | None = None) -> list[dict[str,
     records += [take(kind) for kind in ("garbled", "empty", "wrong_answer") for _ in range(counts[kind])]
     if (counts["exact_duplicate"] or counts["near_duplicate"]) and not clean:
         raise ValueError("raw_pool: duplicates need clean records to copy; lower the noise shares or raise n")
+    with_preamble = [r for r in clean if r["prompt"] != r["meta"]["task_prompt"]]
+    if counts["near_duplicate"] and not with_preamble:
+        raise ValueError("raw_pool: near-duplicates need clean records with a preamble; raise preamble_share")
     records += [_exact_duplicate(rng.choice(clean)) for _ in range(counts["exact_duplicate"])]
-    records += [_near_duplicate(rng.choice(clean), rng) for _ in range(counts["near_duplicate"])]
+    records += [_near_duplicate(rng.choice(with_preamble), rng) for _ in range(counts["near_duplicate"])]
 
     records = _shuffle_sources_first(records, rng)
     for position, record in enumerate(records):
@@ -221,7 +232,7 @@ def _topic(problem: Problem) -> str:
     return join_with_and(list(seen)) if seen else problem.family.replace("_", " ")
 
 
-def _record(problem: Problem, rng: random.Random, kind: str) -> dict[str, Any]:
+def _record(problem: Problem, rng: random.Random, kind: str, bare: bool = False) -> dict[str, Any]:
     first_words, rest_of_preamble = rng.choice(PREAMBLES)
     task_prompt = problem.prompt
     response = problem.answer
@@ -235,7 +246,7 @@ def _record(problem: Problem, rng: random.Random, kind: str) -> dict[str, Any]:
         response = TASK_FAMILIES[problem.family].wrong_answer(problem, rng)
     return {
         "id": "",
-        "prompt": f"{first_words[0]} {rest_of_preamble} This one is about {_topic(problem)}. {task_prompt}",
+        "prompt": task_prompt if bare else f"{first_words[0]} {rest_of_preamble} This one is about {_topic(problem)}. {task_prompt}",
         "response": response,
         "meta": {
             "planted": None if kind == "clean" else kind,

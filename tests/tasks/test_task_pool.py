@@ -156,3 +156,17 @@ def test_the_funnels_near_dup_detector_drops_exactly_the_planted_copies(pool):
     dropped = {pool[i]["id"] for i in range(len(pool)) if labels[i] != i}
     planted = {r["id"] for r in pool if _kind(r) in ("exact_duplicate", "near_duplicate")}
     assert dropped == planted
+
+
+def test_preamble_share_leaves_clean_records_bare_and_keeps_near_duplicates_near():
+    pool = tasks.raw_pool(300, seed=1, preamble_share=0.25)
+    clean = [r for r in pool if r["meta"]["planted"] is None]
+    bare = [r for r in clean if r["prompt"] == r["meta"]["task_prompt"]]
+    assert 0.6 < len(bare) / len(clean) < 0.9
+    planted = [r for r in pool if r["meta"]["planted"] not in (None, "exact_duplicate")]
+    assert all(r["prompt"] != r["meta"]["task_prompt"] for r in planted)
+    by_id = {r["id"]: r for r in pool}
+    near = [r for r in pool if r["meta"]["planted"] == "near_duplicate"]
+    assert near and all(jaccard(r["prompt"], by_id[r["meta"]["duplicate_of"]]["prompt"]) >= 0.8 for r in near)
+    with pytest.raises(ValueError, match="preamble_share"):
+        tasks.raw_pool(10, seed=1, preamble_share=1.5)
