@@ -31,6 +31,9 @@ class BaseModelSpec(StrictModel):
 
 class DataSpec(StrictModel):
     raw_pool: int = Field(default=6000, ge=10, description="Raw instruction records, with planted noise.")
+    preamble_share: float = Field(
+        default=1.0, ge=0.0, le=1.0, description="Share of clean raw records whose prompt carries a preamble."
+    )
     rl_prompts: int = Field(default=600, ge=1, description="Prompts with answer keys for rejection sampling.")
 
 

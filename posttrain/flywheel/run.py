@@ -62,7 +62,7 @@ def stage_data(config: FlywheelRecipe, out: Path) -> dict[str, Any]:
     from posttrain.tasks.emit import flywheel_suite, rl_prompts
     from posttrain.tasks.pool import raw_pool
 
-    pool = raw_pool(config.data.raw_pool, config.seed)
+    pool = raw_pool(config.data.raw_pool, config.seed, preamble_share=config.data.preamble_share)
     write_jsonl(out / "raw.jsonl", pool)
     write_records(str(out / "prompts.jsonl"), rl_prompts(config.data.rl_prompts, config.seed + 1))
     corpus = pretrain_corpus(config.base.corpus_documents, config.seed)

@@ -1,6 +1,6 @@
 """A raw instruction pool with planted noise, so the curation funnel has real work to do.
 
-``raw_pool(n, seed)`` returns ``{"id", "prompt", "response", "meta"}`` records built from the
+``raw_pool(n, seed)`` returns ``{"id", "prompt", "response", "tier", "meta"}`` records built from the
 train split. Each prompt is a short instruction preamble (one of a few variants), a sentence
 naming the problem's numbers or words, then the task: long enough for 5-word shingles to mean
 something, and distinct problems stay below Jaccard 0.7 of each other (checked as the pool is
@@ -248,6 +248,7 @@ def _record(problem: Problem, rng: random.Random, kind: str, bare: bool = False)
         "id": "",
         "prompt": task_prompt if bare else f"{first_words[0]} {rest_of_preamble} This one is about {_topic(problem)}. {task_prompt}",
         "response": response,
+        "tier": problem.tier,  # the generator knows it, as a labelled dataset would; curation keeps a given tier
         "meta": {
             "planted": None if kind == "clean" else kind,
             "group": problem.group,
@@ -263,7 +264,7 @@ def _record(problem: Problem, rng: random.Random, kind: str, bare: bool = False)
 
 def _exact_duplicate(source: dict[str, Any]) -> dict[str, Any]:
     meta = {**copy.deepcopy(source["meta"]), "planted": "exact_duplicate", "_source": source}
-    return {"id": "", "prompt": source["prompt"], "response": source["response"], "meta": meta}
+    return {"id": "", "prompt": source["prompt"], "response": source["response"], "tier": source["tier"], "meta": meta}
 
 
 def _near_duplicate(source: dict[str, Any], rng: random.Random) -> dict[str, Any]:
@@ -275,7 +276,7 @@ def _near_duplicate(source: dict[str, Any], rng: random.Random) -> dict[str, Any
     ]
     prompt = " ".join(rng.choice([e for e in edits if e != words]))
     meta = {**copy.deepcopy(source["meta"]), "planted": "near_duplicate", "_source": source}
-    return {"id": "", "prompt": prompt, "response": source["response"], "meta": meta}
+    return {"id": "", "prompt": prompt, "response": source["response"], "tier": source["tier"], "meta": meta}
 
 
 _MOJIBAKE = {"e": "Ã©", "a": "Ã¡", "o": "Ã³", "'": "â€™", " ": " â€“ ", "u": "Ã¼"}

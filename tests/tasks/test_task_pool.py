@@ -40,7 +40,8 @@ def test_pool_is_deterministic_and_ids_are_unique(pool):
     assert pool == tasks.raw_pool(POOL_SIZE, seed=3)
     assert pool != tasks.raw_pool(POOL_SIZE, seed=4)
     assert len({r["id"] for r in pool}) == POOL_SIZE
-    assert all(set(r) == {"id", "prompt", "response", "meta"} for r in pool)
+    assert all(set(r) == {"id", "prompt", "response", "tier", "meta"} for r in pool)
+    assert all(r["tier"] == r["meta"]["tier"] for r in pool)
 
 
 def test_planted_kinds_come_in_the_stated_proportions(pool):
