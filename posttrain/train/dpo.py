@@ -41,6 +41,7 @@ from posttrain.train.pairs import (
     model_inputs,
     pair_summary,
     read_pairs,
+    recompute_gated_mlp,
     split_pairs,
     write_jsonl,
 )
@@ -63,6 +64,12 @@ def parallelize_root(config, root: torch.nn.Module, lm: torch.nn.Module) -> None
         activation_checkpointing=train_cfg.activation_checkpointing, ac_every=train_cfg.ac_every,
     )
     say(f"model {config.model.path}: {count_parameters(lm) / 1e6:.2f}M parameters; {applied}")
+
+
+def lean_mlp(lm: torch.nn.Module) -> None:
+    changed = recompute_gated_mlp(lm)
+    if changed:
+        say(f"{changed} gated MLPs recompute act(gate)·up and the down projection in backward (less activation memory)")
 
 
 def reshard(root: torch.nn.Module) -> None:
@@ -330,6 +337,7 @@ def run_dpo(config: DPORecipe) -> int:
                         config.model.trust_remote_code)
         lm.config.use_cache = False
         root = PairLogprobModel(lm, chunk_size=config.train.loss_chunk_size)
+        lean_mlp(lm)
         parallelize_root(config, root, lm)
         units = build_units(config, train_data.pairs, dist.world_size())
         per_step = config.train.batch_size * config.train.grad_accum * dist.world_size()

@@ -33,7 +33,7 @@ from posttrain.config.preference import RewardModelRecipe
 from posttrain.data.records import Message
 from posttrain.data.tokenize import tokenize_prompt_completion
 from posttrain.models.load import DTYPES, load_tokenizer
-from posttrain.train.dpo import parallelize_root, reshard
+from posttrain.train.dpo import lean_mlp, parallelize_root, reshard
 from posttrain.train.loop import Objective, train
 from posttrain.train.pairs import (
     MODEL_KEYS,
@@ -188,6 +188,7 @@ def run_reward_model(config: RewardModelRecipe) -> int:
         lm = load_reward_lm(config.model.path, config.model.dtype, config.model.attn_implementation,
                             config.model.trust_remote_code, pad_id)
         root = RewardModel(lm)
+        lean_mlp(lm)
         parallelize_root(config, root, lm)
         world = dist.world_size()
         per_step = config.train.batch_size * config.train.grad_accum * world

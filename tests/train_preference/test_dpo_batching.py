@@ -109,3 +109,25 @@ def test_reward_head_reads_the_same_last_token_in_both_layouts(pref_model_dir):
         hf = torch.stack([lm(torch.tensor([p.chosen.input_ids])).logits[0, 0] for p in data.pairs])
     torch.testing.assert_close(shared, rows, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(split_pairs(shared)[0], hf, rtol=1e-5, atol=1e-5)
+
+
+def test_recomputed_gated_mlp_gives_the_same_loss_and_gradients(pref_model_dir):
+    from posttrain.models.load import load_tokenizer
+    from posttrain.train.pairs import recompute_gated_mlp
+
+    tokenizer = load_tokenizer(pref_model_dir)
+    data = tokenize_pairs(make_pairs(4), tokenizer, 64, "left")
+    batch = model_inputs(collate_pairs(data.pairs, tokenizer.pad_token_id, True))
+    results = []
+    for lean in (False, True):
+        lm = load_model(pref_model_dir)
+        if lean:
+            assert recompute_gated_mlp(lm) == 2
+        root = PairLogprobModel(lm)
+        values = root(**batch)
+        values.sum().backward()
+        results.append((values.detach(), {n: p.grad.clone() for n, p in root.named_parameters()}))
+    (plain, plain_grads), (lean, lean_grads) = results
+    torch.testing.assert_close(lean, plain, rtol=0, atol=0)
+    for name, grad in plain_grads.items():
+        torch.testing.assert_close(lean_grads[name], grad, rtol=1e-6, atol=1e-7)
