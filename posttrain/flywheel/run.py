@@ -148,6 +148,8 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir)
     dump = config.model_dump(mode="json")
+    for stage in ("curate", "sft", "sample", "dpo"):  # fault-injection drills do not change a stage's result
+        dump[stage]["overrides"] = {k: v for k, v in dump[stage]["overrides"].items() if not k.startswith("debug.")}
     try:
         data = runner.run("data", {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents},
                           [], lambda out: stage_data(config, out))
@@ -166,7 +168,7 @@ def run_flywheel(config: FlywheelRecipe) -> int:
         )
         runner.run(
             "dpo", dump["dpo"], ["sft", "sample"],
-            lambda out: _run_and_list("dpo", config.dpo, {"model.path": str(run_dir / "sft" / "final"), "data.train": str(run_dir / "sample" / "preferences.jsonl"), "output_dir": str(out)}, out),
+            lambda out: _run_and_list("dpo", config.dpo, {"model.path": str(run_dir / "sft" / "final"), "data.train": _pairs(run_dir), "data.eval": None, "output_dir": str(out)}, out),
         )
         models = {"base": base["model"], "sft": str(run_dir / "sft" / "final"), "dpo": str(run_dir / "dpo" / "final")}
         evals = {}
@@ -188,6 +190,16 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     for line in report["summary"]:
         print(line)
     return 0
+
+
+def _pairs(run_dir: Path) -> str:
+    path = run_dir / "sample" / "preferences.jsonl"
+    if not path.exists() or not path.read_text().strip():
+        raise RuntimeError(
+            f"{path}: rejection sampling produced no preference pairs (no prompt had both a better and a worse "
+            "sample); raise data.rl_prompts or the sample stage's sampling.n / temperature"
+        )
+    return str(path)
 
 
 def _run_and_list(name: str, stage: StageRecipe, wiring: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -2,14 +2,17 @@
 
 Each stage owns ``<run_dir>/<name>/`` and writes ``stage.json`` last, holding the *key* — a hash of
 its config and of the keys of the stages it consumes — and the outputs it produced. On a re-run a
-stage whose ``stage.json`` carries the same key is skipped; one that was interrupted has no
-``stage.json`` and runs again (training stages then resume from their own checkpoints).
+stage whose ``stage.json`` carries the same key is skipped. A stage writes ``stage.started`` with its
+key first: one interrupted with the same key keeps its directory and runs again (training stages then
+resume from their own checkpoints); one whose key changed starts from an empty directory, so stale
+checkpoints of an old config are never resumed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 import sys
 import time
 from collections.abc import Callable
@@ -18,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 STAGE_FILE = "stage.json"
+STARTED_FILE = "stage.started"
 
 
 def stable_hash(payload: Any) -> str:
@@ -57,8 +61,12 @@ class StageRunner:
                 self.results[name] = StageResult(name, key, saved["outputs"], True, saved.get("seconds", 0.0))
                 self.log(f"{name}: unchanged (key {key}), skipped")
                 return saved["outputs"]
-            marker.unlink()  # inputs or config changed: the old result is stale
+        started_file = stage_dir / STARTED_FILE
+        if stage_dir.exists() and (not started_file.exists() or started_file.read_text() != key):
+            self.log(f"{name}: config or inputs changed since its last run; starting it afresh")
+            shutil.rmtree(stage_dir)
         stage_dir.mkdir(parents=True, exist_ok=True)
+        started_file.write_text(key)
         self.log(f"{name}: running")
         started = time.perf_counter()
         outputs = body(stage_dir)

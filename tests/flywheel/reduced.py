@@ -17,7 +17,7 @@ def reduced_recipe(run_dir: Path, **changes) -> Path:
                            "corpus_documents": 60})
     recipe["base"]["pretrain"]["overrides"] = {"train.max_steps": 3, "train.batch_size": 4, "train.save_every": None,
                                                "train.log_every": 1}
-    recipe["curate"]["overrides"] = {"executor.workers": 1}
+    recipe["curate"]["overrides"] = {"executor.workers": 0, "intent.enabled": False}
     recipe["sft"]["overrides"].update({"train.max_steps": 4, "train.batch_size": 4, "train.save_every": 2,
                                        "train.log_every": 1})
     recipe["sample"]["overrides"].update({"sampling.n": 2, "sampling.max_new_tokens": 6, "sampling.batch_size": 16})
