@@ -14,7 +14,7 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 demo: $(BIN)/.installed
-	$(BIN)/python -m posttrain demo
+	$(BIN)/python -m posttrain quickstart
 
 # Browser tests open the HTML report in Debian's headless Chromium.
 chromium:

@@ -26,7 +26,6 @@ _COMMAND_MODULES = (
     "posttrain.commands.validate",
     "posttrain.data.inspect",
     "posttrain.commands.model",
-    "posttrain.commands.demo",
     "posttrain.commands.quickstart",
     "posttrain.generate.cli",
     "posttrain.eval.cli",

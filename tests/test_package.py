@@ -42,7 +42,7 @@ def test_help_lists_subcommands(capsys):
         main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for command in ("validate", "data", "sft", "demo", "model"):
+    for command in ("validate", "data", "sft", "quickstart", "model", "dpo", "rm", "eval", "generate", "curate", "sample", "flywheel", "pretrain"):
         assert command in out
     assert "75" in out  # the documented resumable exit code
 

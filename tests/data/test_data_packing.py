@@ -12,7 +12,7 @@ from posttrain.data.tokenize import IGNORE_INDEX, TokenizedExample, tokenize_rec
 from posttrain.models.load import load_model
 from posttrain.models.logprobs import model_token_logprobs
 
-MAX_LENGTH = 160
+MAX_LENGTH = 256
 
 
 @pytest.fixture(scope="module")

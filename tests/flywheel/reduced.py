@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def reduced_recipe(run_dir: Path, **changes) -> Path:
     recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
     recipe["run_dir"] = str(run_dir)
-    recipe["data"] = {"raw_pool": 120, "rl_prompts": 16}
+    recipe["data"] = {"raw_pool": 120, "preamble_share": 0.3, "rl_prompts": 24}
     recipe["base"].update({"hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 2, "vocab_size": 400,
                            "corpus_documents": 60})
     recipe["base"]["pretrain"]["overrides"] = {"train.max_steps": 3, "train.batch_size": 4, "train.save_every": None,
@@ -20,7 +20,9 @@ def reduced_recipe(run_dir: Path, **changes) -> Path:
     recipe["curate"]["overrides"] = {"executor.workers": 0, "intent.enabled": False}
     recipe["sft"]["overrides"].update({"train.max_steps": 4, "train.batch_size": 4, "train.save_every": 2,
                                        "train.log_every": 1})
-    recipe["sample"]["overrides"].update({"sampling.n": 2, "sampling.max_new_tokens": 6, "sampling.batch_size": 16})
+    # A barely trained model rarely gets an answer right: any score gap makes a pair here.
+    recipe["sample"]["overrides"].update({"sampling.n": 4, "sampling.max_new_tokens": 6, "sampling.batch_size": 32,
+                                          "pair_margin": 0.0})
     recipe["dpo"]["overrides"].update({"train.max_steps": 2, "train.batch_size": 2, "train.log_every": 1,
                                        "train.save_every": None})
     recipe["eval"] = {"n_per_cell": 2, "max_new_tokens": 6, "batch_size": 32, "n_boot": 200, "n_perm": 200}
