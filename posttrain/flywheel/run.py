@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -151,26 +152,23 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     for stage in ("curate", "sft", "sample", "dpo"):  # fault-injection drills do not change a stage's result
         dump[stage]["overrides"] = {k: v for k, v in dump[stage]["overrides"].items() if not k.startswith("debug.")}
     try:
-        data = runner.run("data", {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents},
-                          [], lambda out: stage_data(config, out))
+        data_key = {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents}
+        data = runner.run("data", data_key, [], lambda out: stage_data(config, out))
         base = runner.run("base", dump["base"], ["data"], lambda out: stage_base(config, data, out))
-        curate = runner.run(
-            "curate", dump["curate"], ["data"],
-            lambda out: _run_and_list("curate", config.curate, {"data.input": data["raw"], "output_dir": str(out)}, out),
-        )
-        sft = runner.run(
-            "sft", dump["sft"], ["base", "curate"],
-            lambda out: _run_and_list("sft", config.sft, {"model.path": base["model"], "data.train": str(out.parent / "curate" / "kept.jsonl"), "output_dir": str(out)}, out),
-        )
-        sample = runner.run(
-            "sample", dump["sample"], ["sft", "data"],
-            lambda out: _run_and_list("sample", config.sample, {"data.input": data["prompts"], "policy.path": str(run_dir / "sft" / "final"), "output_dir": str(out)}, out),
-        )
-        runner.run(
-            "dpo", dump["dpo"], ["sft", "sample"],
-            lambda out: _run_and_list("dpo", config.dpo, {"model.path": str(run_dir / "sft" / "final"), "data.train": _pairs(run_dir), "data.eval": None, "output_dir": str(out)}, out),
-        )
-        models = {"base": base["model"], "sft": str(run_dir / "sft" / "final"), "dpo": str(run_dir / "dpo" / "final")}
+        def recipe_stage(name: str, depends_on: list[str], wiring: Callable[[Path], dict[str, Any]]) -> None:
+            """A stage that runs the registered recipe ``name`` into its own stage directory."""
+            stage: StageRecipe = getattr(config, name)
+            runner.run(name, dump[name], depends_on,
+                       lambda out: _run_and_list(name, stage, {**wiring(out), "output_dir": str(out)}, out))
+
+        sft_model = str(run_dir / "sft" / "final")
+        recipe_stage("curate", ["data"], lambda out: {"data.input": data["raw"]})
+        recipe_stage("sft", ["base", "curate"],
+                     lambda out: {"model.path": base["model"], "data.train": str(run_dir / "curate" / "kept.jsonl")})
+        recipe_stage("sample", ["sft", "data"], lambda out: {"data.input": data["prompts"], "policy.path": sft_model})
+        recipe_stage("dpo", ["sft", "sample"],
+                     lambda out: {"model.path": sft_model, "data.train": _pairs(run_dir), "data.eval": None})
+        models = {"base": base["model"], "sft": sft_model, "dpo": str(run_dir / "dpo" / "final")}
         evals = {}
         for label, model_path in models.items():
             result = runner.run(
