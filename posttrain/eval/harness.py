@@ -12,7 +12,6 @@ unless ``allow_missing`` is set, then it is scored 0 with detail "missing output
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +20,7 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from posttrain.data.errors import DataError
+from posttrain.data.io import iter_jsonl
 from posttrain.eval.items import EvalItem, Suite, load_suite
 from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, sandbox_support
 from posttrain.eval.stats import capability_scores
@@ -38,25 +38,16 @@ DEFAULT_EVAL_PARAMS = SamplingParams(n=1, temperature=0.0, max_new_tokens=256)
 def read_outputs(path: str | Path) -> dict[str, str]:
     """Read ``{"id", "output"}`` lines (other keys are allowed and ignored); ids must be unique."""
     outputs: dict[str, str] = {}
-    with open(path, encoding="utf-8") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(str(path), number, None, f"not valid JSON: {exc.msg}") from None
-            if not isinstance(data, dict):
-                raise DataError(str(path), number, None, "each line must be a JSON object with `id` and `output`")
-            for key in ("id", "output"):
-                if key not in data:
-                    raise DataError(str(path), number, key, "required field is missing")
-            if not isinstance(data["output"], str):
-                raise DataError(str(path), number, "output", f"must be a string (got {type(data['output']).__name__})")
-            key = str(data["id"])
-            if key in outputs:
-                raise DataError(str(path), number, "id", f"duplicate id {key!r}")
-            outputs[key] = data["output"]
+    for number, data in iter_jsonl(str(path)):
+        for key in ("id", "output"):
+            if key not in data:
+                raise DataError(str(path), number, key, "required field is missing")
+        if not isinstance(data["output"], str):
+            raise DataError(str(path), number, "output", f"must be a string (got {type(data['output']).__name__})")
+        key = str(data["id"])
+        if key in outputs:
+            raise DataError(str(path), number, "id", f"duplicate id {key!r}")
+        outputs[key] = data["output"]
     return outputs
 
 

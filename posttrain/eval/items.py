@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from posttrain.data.errors import DataError
+from posttrain.data.io import iter_jsonl
 from posttrain.data.records import Message, RLPrompt
 
 
@@ -177,22 +178,13 @@ def _check_items(items: list[EvalItem], source: str, lines: list[int] | None = N
 def read_items_jsonl(path: str | Path) -> list[EvalItem]:
     """Read eval items from JSONL; every problem names the file, line and field."""
     items, lines, seen = [], [], {}
-    with open(path, encoding="utf-8") as handle:
-        for number, raw in enumerate(handle, start=1):
-            if not raw.strip():
-                continue
-            try:
-                data = json.loads(raw)
-            except json.JSONDecodeError as exc:
-                raise DataError(str(path), number, None, f"not valid JSON: {exc.msg}") from None
-            if not isinstance(data, dict):
-                raise DataError(str(path), number, None, "each line must be a JSON object")
-            item = _validate_item(data, str(path), number)
-            if item.id in seen:
-                raise DataError(str(path), number, "id", f"duplicate id {item.id!r} (first on line {seen[item.id]})")
-            seen[item.id] = number
-            items.append(item)
-            lines.append(number)
+    for number, data in iter_jsonl(str(path)):
+        item = _validate_item(data, str(path), number)
+        if item.id in seen:
+            raise DataError(str(path), number, "id", f"duplicate id {item.id!r} (first on line {seen[item.id]})")
+        seen[item.id] = number
+        items.append(item)
+        lines.append(number)
     _check_items(items, str(path), lines)
     return items
 

@@ -29,7 +29,7 @@ def test_jsonl_suite_loads(tmp_path):
 @pytest.mark.parametrize(
     ("row", "field", "reason"),
     [
-        ("{not json", None, "not valid JSON"),
+        ("{not json", None, "malformed JSON"),
         ({**GOOD, "verifer": "exact"}, "verifer", "did you mean `verifier`"),
         ({**GOOD, "tier": 5}, "tier", "less than or equal to 3"),
         ({**GOOD, "verifier": "numerik"}, "verifier", "did you mean `numeric`"),
