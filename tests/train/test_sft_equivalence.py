@@ -72,3 +72,12 @@ def test_packing_trains_and_counts_rows(tiny_model_dir, sft_data, tmp_path):
     assert len(metrics) == 3
     # A packed row of 128 tokens holds several examples: more tiers drawn than rows.
     assert sum(v for k, v in metrics[0].items() if k.startswith("tier_")) > 2
+
+
+def test_tensorboard_events_and_resolved_config_are_written(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "tb"
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 2,
+                                                                          "metrics.tensorboard": "true"})) == 0
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+    resolved = (out / "config.yaml").read_text()
+    assert "max_steps: 2" in resolved and "spike_zscore: 6.0" in resolved  # defaults included
