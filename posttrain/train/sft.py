@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
@@ -63,29 +64,41 @@ def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int,
     items = [Difficulty(e.tier, e.difficulty) for e in examples]
     per_step = train.batch_size * train.grad_accum * world
 
-    def stream(epochs: float | None, max_steps: int | None):
+    def stream(epochs: float | None, max_steps: int | None, stretch: int = 1):
+        # ``stretch`` counts draws in examples when a step holds ``stretch`` examples per row (packing).
+        pace = config.data.competence_steps or (max_steps // 2 if max_steps else None)
         return build_stream(
             items,
             config.data.curriculum,
             train.seed,
             epochs,
             per_step,
-            max_steps,
+            max_steps * stretch if max_steps else None,
             config.data.competence_start,
-            config.data.competence_steps,
+            pace * stretch if pace else None,
             config.data.shuffle,
         )
 
     if not config.data.packing:
         return [examples[i] for i in stream(train.epochs, train.max_steps)]
-    if train.max_steps is None or config.data.curriculum == "competence":
-        order = stream(train.epochs, train.max_steps)
-        return pack_examples([examples[i] for i in order], train.max_length, pad_id)
+    if train.max_steps is None:
+        return pack_examples([examples[i] for i in stream(train.epochs, None)], train.max_length, pad_id)
+    wanted = train.max_steps * per_step
+    if config.data.curriculum == "competence":
+        # Draw enough examples to fill max_steps of packed rows; the pacing stretches with them, so
+        # row-step t sees the competence of example-step ≈ t × examples-per-row.
+        mean_length = sum(len(e) for e in examples) / len(examples)
+        stretch = max(1, math.ceil(train.max_length / mean_length))
+        while True:
+            rows = pack_examples([examples[i] for i in stream(None, train.max_steps, stretch)], train.max_length, pad_id)
+            if len(rows) >= wanted:
+                return rows[:wanted]
+            stretch += 1
     epochs = 1.0  # packed rows hold several examples: add epochs until max_steps worth of rows exist
     while True:
         rows = pack_examples([examples[i] for i in stream(epochs, None)], train.max_length, pad_id)
-        if len(rows) >= train.max_steps * per_step:
-            return rows[: train.max_steps * per_step]
+        if len(rows) >= wanted:
+            return rows[:wanted]
         epochs += 1.0
 
 

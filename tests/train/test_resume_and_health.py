@@ -137,3 +137,19 @@ def test_tiered_curriculum_order_in_metrics(tiny_model_dir, sft_data, tmp_path):
     easiest = [min(int(k.split("_")[1]) for k in m if k.startswith("tier_")) for m in rows]
     assert all(hardest[i] <= easiest[i + 1] for i in range(len(rows) - 1))
     assert easiest[0] == 1 and hardest[-1] == 3
+
+
+def test_competence_curriculum_with_packing_fills_max_steps_easy_first(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    extra = {"data.curriculum": "competence", "data.packing": "true", "data.competence_start": 0.2,
+             "train.max_length": 128, "train.batch_size": 2, "train.max_steps": 12, "data.competence_steps": 8}
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **extra)) == 0
+    rows = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
+    assert [m["step"] for m in rows] == list(range(12))
+
+    def mean_tier(row):
+        counts = {int(k.split("_")[1]): v for k, v in row.items() if k.startswith("tier_")}
+        return sum(t * n for t, n in counts.items()) / sum(counts.values())
+
+    assert mean_tier(rows[0]) == 1.0  # c(0) = 0.2: only the easiest fifth (all tier 1) is drawn
+    assert max(mean_tier(r) for r in rows[-4:]) > 1.5
