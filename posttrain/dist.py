@@ -72,5 +72,8 @@ def broadcast_object(obj):
 
 
 def destroy() -> None:
+    # Every rank reaches the same point before the group goes away: a rank that tears down gloo while
+    # a peer still has work in flight can abort at exit ("terminate called without an active exception").
     if dist.is_initialized():
+        dist.barrier()
         dist.destroy_process_group()
