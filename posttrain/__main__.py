@@ -1,3 +1,5 @@
+"""``python -m posttrain``: the same entry point as the ``posttrain`` command."""
+
 from posttrain.cli import main
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ def all_modules() -> list[str]:
 
 @pytest.mark.parametrize("name", all_modules())
 def test_every_module_imports(name):
-    importlib.import_module(name)
+    module = importlib.import_module(name)
+    assert module.__name__ == name and module.__doc__, f"{name} imports but has no module docstring"
 
 
 def test_there_are_recipes():
