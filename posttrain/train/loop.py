@@ -158,8 +158,9 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
             "(batch_size × grad_accum × ranks); lower train.batch_size or add data"
         )
     params = [p for p in model.parameters() if p.requires_grad]
-    # The fused kernel does the whole AdamW update in one pass per tensor; on CPU the foreach path is
-    # ~100x slower (0.53 s vs 0.005 s of CPU per step for 5M parameters), a tenth of a small model's step.
+    # The fused kernel does the whole AdamW update in one pass per tensor. The foreach path runs many
+    # small ops instead: 12 ms vs 2.4 ms per step for 5M parameters on 2 idle CPU cores, and 0.5 s on
+    # busy ones, where each small op waits for a core (benchmarks/sft_throughput.py).
     optimizer = torch.optim.AdamW(
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, fused=True
     )
