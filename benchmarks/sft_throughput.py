@@ -453,10 +453,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=512, help="packed row length (both frameworks)")
     parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
     parser.add_argument("--warmup-steps", type=int, default=3, help="untimed optimizer steps before timing")
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (both frameworks)")
     parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
     parser.add_argument("--frameworks", default="posttrain,trl", help="comma list of posttrain, trl")
-    parser.add_argument("--ac", default="none,full,selective", help="posttrain activation_checkpointing modes to time ('' for none)")
+    parser.add_argument(
+        "--ac", default="none,full,selective",
+        help="posttrain activation_checkpointing modes for the AC table, one run each ('' for no table)",
+    )
     parser.add_argument(
         "--schedule", choices=("interleaved", "sequential"), default="interleaved",
         help="interleaved: all runs alive at once, taking turns one optimizer step each; sequential: one run at a time",
