@@ -1,30 +1,15 @@
 """SFT throughput: posttrain vs TRL's ``SFTTrainer``, plus the activation-checkpointing trade-off.
 
-Trains the same model on the same chats, with packing, the same batch size (packed rows per step),
-the same max length and the same optimizer (AdamW, constant lr, clip 1.0), fp32 on CPU with the same
-number of torch threads, each framework in its own subprocess so that peak RSS is per framework
-(``ru_maxrss`` of that child, from ``os.wait4``). Prints ONE JSON line.
-
-Equal work, honestly counted:
-
-- Both train on exactly the same tokens: the chats are tokenised once with posttrain's
-  ``tokenize_chat`` (assistant-only labels) and TRL gets that pre-tokenised dataset
-  (``input_ids`` + ``labels`` columns, which ``SFTTrainer`` keeps as they are).
-- What differs is each framework's own packing: posttrain packs in curriculum order into rows of
-  exactly ``max_length`` (the tail of a row is padding it computes but does not count); TRL packs
-  best-fit-decreasing and, padding-free, flattens the batch into one ``[1, rows x max_length]``
-  sequence. Throughput therefore counts only real (non-pad) tokens, per second.
-- The runs take turns, one optimizer step at a time: every child process sets up on its own, then
-  waits at a gate; the parent lets each child do one step in turn (round-robin, reversing the order
-  every step) until all are done. Other jobs on a shared machine come and go within seconds and
-  would otherwise decide which framework "wins"; interleaved, both see the same conditions.
-  ``--schedule sequential`` runs one child after another instead (still gated, one at a time).
-- A step's time runs from the gate opening to the end of that optimizer step (posttrain: when the
-  loop logs the step; TRL: ``on_step_end``), so it includes data collation, the health check,
-  logging and anything else each framework does per step. The first ``--warmup-steps`` are not timed;
-  ``median_step_s`` is the median over the timed steps and ``tokens_per_s`` = mean tokens per timed
-  step / median step time. CPU seconds per step are reported too, since wall time on a shared
-  machine includes waiting for cores.
+Same model, same chats, packing, same batch size (packed rows per step), max length and optimizer
+(AdamW, constant lr, clip 1.0), fp32 on CPU with the same torch threads. Each run is its own process
+(peak RSS = its ``ru_maxrss`` from ``os.wait4``). Both frameworks train on the same token ids and
+assistant-only labels (tokenised once by posttrain; TRL gets ``input_ids`` + ``labels`` columns) and
+each packs its own way, so throughput counts real (non-pad) tokens only. The runs take turns one
+optimizer step at a time (``--schedule interleaved``), so other jobs on a shared machine slow them
+alike. A step's time runs from the turn starting to the end of its optimizer step (posttrain: when
+the loop logs it; TRL: ``on_step_end``) and so includes everything each framework does per step;
+``tokens_per_s`` = mean tokens per timed step / median step time. Prints ONE JSON line.
+Figures and reasoning: docs/benchmarks_sft.md and benchmarks/README.md ("SFT throughput").
 
 Usage: ``python benchmarks/sft_throughput.py`` (builds a ~5M-parameter Llama with a 4k vocabulary and
 ~100-token chats under ``--work-dir`` on first use) or ``--model DIR --data FILE.jsonl``.
@@ -415,14 +400,8 @@ def machine(threads: int, load_at_start: float) -> dict:
     import transformers
     import trl
 
-    cpu = platform.processor()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
+    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor())
     return {
         "cpu": cpu,
         "cores": os.cpu_count(),
