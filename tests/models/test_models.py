@@ -6,7 +6,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from posttrain.models.load import load_model, load_tokenizer
-from posttrain.models.logprobs import IGNORE_INDEX, model_token_logprobs, naive_token_logprobs, per_sequence_sum
+from posttrain.models.logprobs import (
+    IGNORE_INDEX,
+    model_token_logprobs,
+    naive_token_logprobs,
+    per_sequence_sum,
+)
 from posttrain.models.tiny import build_tiny_model
 
 
