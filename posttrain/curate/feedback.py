@@ -22,7 +22,7 @@ from posttrain.curate.config import FeedbackRecipe, NearDedupConfig
 from posttrain.curate.dedup import exact_hashes
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
 from posttrain.curate.minhash import MinHasher, near_duplicate_clusters
-from posttrain.curate.rows import Drop, RecordShapeError, as_messages, record_to_chat
+from posttrain.curate.rows import Drop, RecordShapeError, as_messages, load_json_object, record_to_chat
 from posttrain.data.records import PreferencePair, SFTExample, stable_id
 
 
@@ -62,14 +62,9 @@ def existing_texts(path: str | None, kind: str) -> tuple[list[str], list[str]]:
 
 
 def parse_feedback(raw: bytes) -> dict[str, Any] | Drop:
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        return Drop("invalid_utf8")
-    except (json.JSONDecodeError, RecursionError) as exc:
-        return Drop("malformed_json", str(exc)[:200])
-    if not isinstance(record, dict):
-        return Drop("unknown_format", "expected a JSON object")
+    record = load_json_object(raw)
+    if isinstance(record, Drop):
+        return record
     missing = [k for k in ("prompt", "bad_response", "better_response") if k not in record]
     if missing:
         return Drop("missing_field", f"missing {', '.join(missing)}")

@@ -160,6 +160,19 @@ def record_to_chat(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
     )
 
 
+def load_json_object(raw: bytes) -> dict[str, Any] | Drop:
+    """One JSONL line → its object, or the named ``Drop`` every curation input counts in its funnel."""
+    try:
+        record = json.loads(raw.decode("utf-8"))
+    except UnicodeDecodeError:
+        return Drop("invalid_utf8")
+    except (json.JSONDecodeError, RecursionError) as exc:
+        return Drop("malformed_json", str(exc)[:200])
+    if not isinstance(record, dict):
+        return Drop("unknown_format", "expected a JSON object")
+    return record
+
+
 def parse_line(raw: bytes, index: int, source: str, line: int) -> Row | tuple[Drop, str]:
     """A raw JSONL line → a ``Row``, or ``(Drop, text)`` where ``text`` is the line for the dropped file."""
     try:

@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from posttrain.curate.config import SampleRecipe
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
-from posttrain.curate.rows import Drop, RecordShapeError, as_messages
+from posttrain.curate.rows import Drop, RecordShapeError, as_messages, load_json_object
 from posttrain.curate.scorers import JudgeScorer, PromptRecord, RewardModelScorer, Scorer, VerifierScorer
 from posttrain.data.records import stable_id
 
@@ -31,14 +31,9 @@ CHUNK_PROMPTS = 256  # prompts generated and scored per step; bounds memory for 
 
 def parse_prompt(raw: bytes, line: int) -> PromptRecord | Drop:
     """A JSONL line → a prompt with its answer key (top level or in ``meta``), or a named ``Drop``."""
-    try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        return Drop("invalid_utf8")
-    except (json.JSONDecodeError, RecursionError) as exc:
-        return Drop("malformed_json", str(exc)[:200])
-    if not isinstance(record, dict):
-        return Drop("unknown_format", "expected a JSON object")
+    record = load_json_object(raw)
+    if isinstance(record, Drop):
+        return record
     meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
     try:
         if "messages" in record:
