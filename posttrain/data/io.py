@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -244,6 +245,52 @@ def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
         if isinstance(item, _BadLine):
             raise DataError(str(path), number, None, item.reason)
         yield number, item
+
+
+def read_jsonl(path: str) -> list[dict]:
+    """Every object of a JSONL file (local or fsspec URL), in order; ``DataError`` on a malformed line."""
+    return [item for _, item in iter_jsonl(str(path))]
+
+
+def _json_line(row: Any) -> str:
+    return json.dumps(row, ensure_ascii=False, default=str) + "\n"
+
+
+def write_jsonl(path: str, rows: Iterable[Any]) -> int:
+    """Write ``rows`` as JSON lines, replacing ``path``; return how many were written.
+
+    A local file is written to a temporary name and renamed into place, so a reader (or a crash) never
+    sees half a file; other fsspec URLs are written in one upload. ``.gz`` and friends compress.
+    """
+    path = str(path)
+    fs, local = fsspec.core.url_to_fs(path)
+    is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    target = f"{local}.tmp{os.getpid()}" if is_local else path
+    if is_local:
+        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
+    count = 0
+    compression = fsspec.utils.infer_compression(path)
+    with fsspec.open(target, "w", encoding="utf-8", compression=compression) as handle:
+        for row in rows:
+            handle.write(_json_line(row))
+            count += 1
+    if is_local:
+        os.replace(target, local)
+    return count
+
+
+def append_jsonl(path: str, rows: Iterable[Any]) -> int:
+    """Append ``rows`` as JSON lines to ``path`` (created with its parent directory when missing)."""
+    path = str(path)
+    if "://" not in path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    count = 0
+    with fsspec.open(path, "a", encoding="utf-8") as handle:
+        for row in rows:
+            handle.write(_json_line(row))
+            count += 1
+    return count
+
 
 
 # ------------------------------------------------------------------------------------------ reading
