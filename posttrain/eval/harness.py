@@ -17,15 +17,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from posttrain.data.errors import DataError
 from posttrain.data.io import iter_jsonl
 from posttrain.eval.items import EvalItem, Suite, load_suite
 from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, sandbox_support
 from posttrain.eval.stats import capability_scores
-from posttrain.eval.verifiers import CODE_SETTINGS, VerifyResult, verify
+from posttrain.eval.verifiers import VerifyResult, VerifySettings, verify
 from posttrain.generate.engine import Backend, SamplingParams
+from posttrain.progress import progress as progress_bar
 
 
 class MissingOutputs(ValueError):
@@ -51,9 +50,9 @@ def read_outputs(path: str | Path) -> dict[str, str]:
     return outputs
 
 
-def _safe_verify(item: EvalItem, output: str) -> tuple[VerifyResult, bool]:
+def _safe_verify(item: EvalItem, output: str, settings: VerifySettings) -> tuple[VerifyResult, bool]:
     try:
-        return verify(item, output), False
+        return verify(item, output, settings), False
     except SandboxUnavailable:
         raise
     except Exception as exc:  # noqa: BLE001 - one broken item must not stop the run; it is reported
@@ -124,27 +123,23 @@ def evaluate(
         )
     unmatched = sorted(set(outputs) - {item.id for item in suite.items})
 
-    previous = (CODE_SETTINGS.limits, CODE_SETTINGS.allow_unsandboxed)
-    CODE_SETTINGS.limits = sandbox_limits or SandboxLimits()
-    CODE_SETTINGS.allow_unsandboxed = allow_unsandboxed_code
+    # Passed to every verify call (never set globally): concurrent evaluations keep their own limits.
+    settings = VerifySettings(code_limits=sandbox_limits or SandboxLimits(),
+                              allow_unsandboxed_code=allow_unsandboxed_code)
     verdicts: dict[str, tuple[VerifyResult, bool]] = {}
-    try:
-        bar = tqdm(total=len(suite.items), desc="verify", unit="item", disable=not progress)
+    with progress_bar(total=len(suite.items), desc="verify", unit="item", disable=not progress) as bar:
         plain = [item for item in suite.items if item.verifier != "code" and item.id in outputs]
         code_items = [item for item in suite.items if item.verifier == "code" and item.id in outputs]
         for item in plain:
-            verdicts[item.id] = _safe_verify(item, outputs[item.id])
+            verdicts[item.id] = _safe_verify(item, outputs[item.id], settings)
             bar.update(1)
         # Code runs wait on subprocesses, so a few threads overlap them; each run is its own sandbox.
         with ThreadPoolExecutor(max_workers=max(1, code_workers)) as pool:
-            futures = {item.id: pool.submit(_safe_verify, item, outputs[item.id]) for item in code_items}
+            futures = {item.id: pool.submit(_safe_verify, item, outputs[item.id], settings) for item in code_items}
             for item_id, future in futures.items():
                 verdicts[item_id] = future.result()
                 bar.update(1)
         bar.update(len(missing))
-        bar.close()
-    finally:
-        CODE_SETTINGS.limits, CODE_SETTINGS.allow_unsandboxed = previous
 
     rows = []
     for item in suite.items:

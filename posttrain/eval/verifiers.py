@@ -1,9 +1,13 @@
 """Verifiers: decide, by code, how well a model output answers an item. Shared by evaluation, rejection
 sampling and RL rewards.
 
-Each verifier is ``fn(output, item) -> VerifyResult(score in [0, 1], passed, detail)`` registered in
-``VERIFIERS`` under its name (duplicates are refused). ``verify(item, output)`` dispatches on
+Each verifier is ``fn(output, item, settings) -> VerifyResult(score in [0, 1], passed, detail)`` registered
+in ``VERIFIERS`` under its name (duplicates are refused). ``verify(item, output, settings)`` dispatches on
 ``item.verifier``. ``check_item(item)`` validates an item's options when a suite loads.
+
+``settings`` (:class:`VerifySettings`: the code sandbox's limits and whether code may run unsandboxed) is
+passed with every call and never kept in a global: an eval run, threaded reward workers and a web service
+verify concurrently, each under its own limits.
 
 Built in: ``exact``, ``numeric``, ``multiple_choice``, ``contains``, ``ifeval`` (posttrain.eval.ifeval) and
 ``code`` (runs in posttrain.eval.sandbox).
@@ -11,10 +15,11 @@ Built in: ``exact``, ``numeric``, ``multiple_choice``, ``contains``, ``ifeval`` 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from posttrain.eval.ifeval import check_constraints, constraint_problem
@@ -29,7 +34,17 @@ class VerifyResult:
     detail: str
 
 
-Verifier = Callable[[str, EvalItem], VerifyResult]
+@dataclass(frozen=True)
+class VerifySettings:
+    """How verifiers run, given with each call. Only the code verifier reads these today."""
+
+    code_limits: SandboxLimits = field(default_factory=SandboxLimits)  # per run; an item's options override
+    allow_unsandboxed_code: bool = False  # run code even where the sandbox cannot isolate it
+
+
+DEFAULT_SETTINGS = VerifySettings()
+
+Verifier = Callable[[str, EvalItem, VerifySettings], VerifyResult]
 VERIFIERS: dict[str, Verifier] = _Registry("verifier")
 # Optional per-verifier option checks: fn(item) -> (field, reason) | None, run when a suite loads.
 OPTION_CHECKS: dict[str, Callable[[EvalItem], tuple[str, str] | None]] = _Registry("option check")
@@ -45,10 +60,11 @@ def register_verifier(name: str, check: Callable[[EvalItem], tuple[str, str] | N
     return decorate
 
 
-def verify(item: EvalItem, output: str) -> VerifyResult:
+def verify(item: EvalItem, output: str, settings: VerifySettings = DEFAULT_SETTINGS) -> VerifyResult:
+    """Score ``output`` for ``item`` with its verifier, under ``settings`` (default: sandboxed code, default limits)."""
     if item.verifier not in VERIFIERS:
         raise KeyError(f"item {item.id!r}: unknown verifier {item.verifier!r}; known: {', '.join(VERIFIERS)}")
-    return VERIFIERS[item.verifier](output, item)
+    return VERIFIERS[item.verifier](output, item, settings)
 
 
 def check_item(item: EvalItem) -> tuple[str, str] | None:
@@ -90,7 +106,7 @@ def _check_plain(item: EvalItem):
 
 
 @register_verifier("exact", _check_plain)
-def exact(output: str, item: EvalItem) -> VerifyResult:
+def exact(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     got, want = normalize(output), normalize(item.answer or "")
     if got == want:
         return VerifyResult(1.0, True, "exact match")
@@ -98,7 +114,7 @@ def exact(output: str, item: EvalItem) -> VerifyResult:
 
 
 @register_verifier("contains", _check_plain)
-def contains(output: str, item: EvalItem) -> VerifyResult:
+def contains(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     want = normalize(item.answer or "")
     if want in normalize(output):
         return VerifyResult(1.0, True, f"contains {want!r}")
@@ -172,7 +188,7 @@ def _check_numeric(item: EvalItem):
 
 
 @register_verifier("numeric", _check_numeric)
-def numeric(output: str, item: EvalItem) -> VerifyResult:
+def numeric(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     want = parse_answer_number(item.answer or "")
     found = extract_number(output)
     if found is None:
@@ -228,7 +244,7 @@ def _check_choice(item: EvalItem):
 
 
 @register_verifier("multiple_choice", _check_choice)
-def multiple_choice(output: str, item: EvalItem) -> VerifyResult:
+def multiple_choice(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     want = (item.answer or "").strip().strip("()").upper()
     got = extract_choice(output)
     if got is None:
@@ -256,7 +272,7 @@ def _check_ifeval(item: EvalItem):
 
 
 @register_verifier("ifeval", _check_ifeval)
-def ifeval(output: str, item: EvalItem) -> VerifyResult:
+def ifeval(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     specs = item.options["constraints"]
     satisfied, failures = check_constraints(output, specs)
     score = satisfied / len(specs)
@@ -270,17 +286,6 @@ def ifeval(output: str, item: EvalItem) -> VerifyResult:
 
 _FENCE = re.compile(r"```([\w+-]*)[^\n]*\n(.*?)```", re.DOTALL)
 CODE_OPTIONS = {"timeout_s", "memory_mb", "cpu_s"}
-
-
-@dataclass
-class CodeSettings:
-    """Process-wide settings of the code verifier; the eval harness sets them from its config."""
-
-    limits: SandboxLimits
-    allow_unsandboxed: bool = False
-
-
-CODE_SETTINGS = CodeSettings(limits=SandboxLimits())
 
 
 def extract_code(output: str) -> str:
@@ -321,22 +326,23 @@ def _last_error_line(stderr: str) -> str:
 
 
 @register_verifier("code", _check_code)
-def code(output: str, item: EvalItem) -> VerifyResult:
+def code(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     """Run the extracted code followed by ``item.tests`` in the sandbox; passed iff it exits 0 within limits.
 
-    Raises posttrain.eval.sandbox.SandboxUnavailable where code cannot be isolated and unsandboxed runs
-    were not allowed: a refusal is a configuration problem, not a score.
+    Limits: ``settings.code_limits``, with the item's ``timeout_s`` / ``cpu_s`` / ``memory_mb`` options on top.
+    Raises posttrain.eval.sandbox.SandboxUnavailable where code cannot be isolated and
+    ``settings.allow_unsandboxed_code`` is False: a refusal is a configuration problem, not a score.
     """
-    settings = CODE_SETTINGS
-    limits = SandboxLimits(**{**settings.limits.__dict__})
+    overrides: dict[str, float | int] = {}
     if "timeout_s" in item.options:
-        limits.timeout_s = float(item.options["timeout_s"])
+        overrides["timeout_s"] = float(item.options["timeout_s"])
     if "cpu_s" in item.options:
-        limits.cpu_s = int(math.ceil(item.options["cpu_s"]))
+        overrides["cpu_s"] = int(math.ceil(item.options["cpu_s"]))
     if "memory_mb" in item.options:
-        limits.memory_mb = int(item.options["memory_mb"])
+        overrides["memory_mb"] = int(item.options["memory_mb"])
+    limits = dataclasses.replace(settings.code_limits, **overrides)  # a copy: the caller's limits never change
     program = extract_code(output).rstrip() + "\n\n\n" + (item.tests or "") + "\n"
-    result = run_python(program, limits, allow_unsandboxed=settings.allow_unsandboxed)
+    result = run_python(program, limits, allow_unsandboxed=settings.allow_unsandboxed_code)
     isolation = "" if result.isolated else " [UNSANDBOXED]"
     if result.ok:
         return VerifyResult(1.0, True, f"tests passed in {result.duration_s:.2f}s{isolation}")

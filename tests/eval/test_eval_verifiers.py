@@ -169,7 +169,7 @@ def test_check_item_suggests_the_nearest_name():
 
 def test_registry_rejects_duplicates():
     with pytest.raises(ValueError, match="already registered"):
-        register_verifier("exact")(lambda output, item: None)
+        register_verifier("exact")(lambda output, item, settings: None)
     registry = _Registry("thing")
     registry["a"] = 1
     with pytest.raises(ValueError):
