@@ -15,7 +15,7 @@ from posttrain.cli import main
 from posttrain.config import resolve_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE_FILES = sorted(ROOT.glob("recipes/**/*.yaml"))
+RECIPE_FILES = sorted(ROOT.glob("posttrain/recipes/**/*.yaml"))
 
 
 def all_modules() -> list[str]:
@@ -49,7 +49,7 @@ def test_help_lists_subcommands(capsys):
 
 
 def test_validate_good_and_bad(tmp_path, capsys):
-    good = ROOT / "recipes" / "sft_tiny.yaml"
+    good = ROOT / "posttrain" / "recipes" / "sft_tiny.yaml"
     assert main(["validate", "--config", str(good)]) == 0
     assert "valid `sft` recipe" in capsys.readouterr().out
     bad = tmp_path / "bad.yaml"

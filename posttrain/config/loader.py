@@ -16,6 +16,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from posttrain.recipes import find_recipe
+
 
 class StrictModel(BaseModel):
     """Base for every config section: unknown keys are errors, assignments are validated."""
@@ -176,9 +178,10 @@ def load_config(
 ) -> BaseModel:
     """Build ``schema`` from a YAML file (or ``data``) plus dotted overrides; raise ConfigError."""
     lines: dict[tuple[str, ...], int] = {}
-    source = str(path) if path is not None else None
     if path is not None:
+        path = find_recipe(path)  # a file, or the name of a packaged recipe (`sft_tiny`)
         data, lines = read_yaml(path)
+    source = str(path) if path is not None else None
     data = dict(data or {})
     parsed = parse_overrides(overrides or [])
     override_text: dict[tuple[str, ...], str] = {}
@@ -196,10 +199,11 @@ def load_config(
 
 
 def resolve_recipe(path: str | Path, overrides: list[str] | None = None) -> tuple[str, BaseModel]:
-    """Read the ``recipe:`` key of a YAML file and validate the file against that recipe's schema."""
+    """Read the ``recipe:`` key of a YAML file (or packaged recipe) and validate it against that recipe's schema."""
     from posttrain.config.registry import RECIPES, load_builtin_recipes
 
     load_builtin_recipes()
+    path = find_recipe(path)
     data, lines = read_yaml(path)
     name = data.get("recipe")
     for key, value, _ in parse_overrides(overrides or []):

@@ -18,32 +18,21 @@ import torch
 
 from posttrain.config.loader import load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
+from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
 from posttrain.flywheel.stages import StageRunner
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-EXIT_RESUMABLE = 75
+from posttrain.recipes import find_recipe
 
 
 class StageInterrupted(RuntimeError):
     """A training stage was preempted; its checkpoint is saved and a re-run resumes it."""
 
 
-def _recipe_path(path: str) -> Path:
-    candidate = Path(path)
-    if candidate.exists():
-        return candidate
-    packaged = REPO_ROOT / path
-    if packaged.exists():
-        return packaged
-    raise FileNotFoundError(f"stage recipe {path} not found (looked in . and {REPO_ROOT})")
-
-
 def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any]) -> None:
     """Run a registered recipe from its YAML + the stage's overrides + the flywheel's wiring."""
     load_builtin_recipes()
     overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in {**stage.overrides, **wiring}.items()]
-    config = load_config(RECIPES[name].schema, _recipe_path(stage.recipe), overrides)
+    config = load_config(RECIPES[name].schema, find_recipe(stage.recipe), overrides)
     code = run_recipe(name, config)
     if code == EXIT_RESUMABLE:
         raise StageInterrupted(f"{name} was preempted; rerun the same command to resume")

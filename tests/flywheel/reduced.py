@@ -6,11 +6,13 @@ from pathlib import Path
 
 import yaml
 
+from posttrain.recipes import find_recipe
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def reduced_recipe(run_dir: Path, **changes) -> Path:
-    recipe = yaml.safe_load((ROOT / "recipes" / "quickstart.yaml").read_text())
+    recipe = yaml.safe_load(find_recipe("quickstart").read_text())
     recipe["run_dir"] = str(run_dir)
     recipe["data"] = {"raw_pool": 120, "preamble_share": 0.3, "rl_prompts": 24}
     recipe["base"].update({"hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 2, "vocab_size": 400,
