@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from posttrain.models.tiny import DEFAULT_TEXTS, build_tiny_model
-
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("model", help="Model utilities (build a tiny model for tests and demos).")
@@ -27,6 +25,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _tiny(args: argparse.Namespace) -> int:
+    from posttrain.models.tiny import DEFAULT_TEXTS, build_tiny_model  # torch + transformers: not for --help
+
     texts = DEFAULT_TEXTS
     if args.texts:
         texts = Path(args.texts).read_text(encoding="utf-8").splitlines()

@@ -3,29 +3,34 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
-from posttrain.config.loader import load_config
-
-DEFAULT_RECIPE = Path(__file__).resolve().parents[2] / "recipes" / "quickstart.yaml"
+DEFAULT_RECIPE = "quickstart"  # the packaged recipe posttrain/recipes/quickstart.yaml
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
+    from posttrain.config.keys import format_config_keys
+    from posttrain.flywheel.config import FlywheelRecipe
+
     parser = subparsers.add_parser(
         "quickstart",
         help="One flywheel round offline on the CPU: pool → curate → SFT → sample → DPO → eval → report.html.",
         description=(
-            "Runs recipes/quickstart.yaml (same as `posttrain flywheel --config recipes/quickstart.yaml`). "
+            f"Runs the packaged `{DEFAULT_RECIPE}` recipe (same as `posttrain flywheel --config {DEFAULT_RECIPE}`; "
+            f"`posttrain recipes copy {DEFAULT_RECIPE}` copies it out to edit). "
             "Stages are cached: a re-run skips finished stages, an interrupted run resumes."
         ),
+        epilog=format_config_keys(FlywheelRecipe),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--config", default=str(DEFAULT_RECIPE), help="flywheel recipe (default: recipes/quickstart.yaml)")
+    parser.add_argument("--config", default=DEFAULT_RECIPE,
+                        help=f"flywheel recipe: a file or a packaged recipe's name (default: {DEFAULT_RECIPE})")
     parser.add_argument("--run-dir", help="where the round writes its stages and report (default: runs/quickstart)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.set_defaults(func=_quickstart)
 
 
 def _quickstart(args: argparse.Namespace) -> int:
+    from posttrain.config.loader import load_config
     from posttrain.flywheel.config import FlywheelRecipe
     from posttrain.flywheel.run import run_flywheel
 

@@ -1,10 +1,8 @@
-"""``posttrain validate --config FILE [key=value ...]``: check a recipe without running it."""
+"""``posttrain validate --config FILE_OR_NAME [key=value ...]``: check a recipe without running it."""
 
 from __future__ import annotations
 
 import argparse
-
-from posttrain.config import resolve_recipe
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -14,7 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description="Validate a recipe: its top-level `recipe:` key picks the schema. Prints the resolved "
         "config on success; on failure lists every problem with file:line, key and the fix.",
     )
-    parser.add_argument("--config", required=True, help="YAML recipe file")
+    parser.add_argument("--config", required=True,
+                        help="YAML recipe: a file, or a packaged recipe's name (see `posttrain recipes list`)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.add_argument("--quiet", action="store_true", help="print nothing on success")
     parser.set_defaults(func=_validate)
@@ -22,6 +21,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _validate(args: argparse.Namespace) -> int:
     import yaml
+
+    from posttrain.config import resolve_recipe
 
     name, config = resolve_recipe(args.config, args.overrides)
     if not args.quiet:

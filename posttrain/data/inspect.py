@@ -12,14 +12,16 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.data.formats import FORMATS
-from posttrain.data.io import ReadReport, read_records
 from posttrain.data.records import RECORD_KINDS, PreferencePair, Record, RLPrompt, SFTExample
 
 DEFAULT_MAX_LENGTH = 512  # the default of train.max_length
 _PERCENTILES = (50, 90, 99)
+
+if TYPE_CHECKING:
+    from posttrain.data.io import ReadReport
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -147,6 +149,8 @@ def format_text(report: ReadReport, tokens: dict[str, Any] | None, args: argpars
 
 
 def _inspect(args: argparse.Namespace) -> int:
+    from posttrain.data.io import read_records  # fsspec: only when a file is read, not for --help
+
     if args.quarantine_file and args.on_error != "quarantine":
         print("posttrain: --quarantine-file needs --on-error quarantine", file=sys.stderr)
         return 2
