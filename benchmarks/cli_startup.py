@@ -24,6 +24,7 @@ COMMANDS = [
     ["--version"],
     ["validate", "--quiet", "--config", "sft_tiny"],
     ["validate", "--quiet", "--config", "quickstart"],
+    ["validate", "--quiet", "--config", "dpo_tiny"],  # imports torch today (the DPO loss registry)
     ["recipes", "list"],
     ["data", "inspect", "--help"],
     ["model", "tiny", "--help"],

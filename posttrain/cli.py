@@ -32,7 +32,7 @@ _COMMAND_MODULES = (
 EPILOG = f"""\
 exit codes: {EXIT_OK} ok, {EXIT_FAILED} failed, {EXIT_BAD_CONFIG} bad config or input,
             {EXIT_RESUMABLE} preempted after saving a checkpoint (rerun the same command to resume)
-threads:    OMP_NUM_THREADS is honoured; otherwise see posttrain.threads (1 thread when the cores are busy)
+threads:    OMP_NUM_THREADS if set, else every core; OMP_WAIT_POLICY=PASSIVE unless set (see posttrain.threads)
 """
 
 CONFIG_HELP = "YAML recipe: a file, or a packaged recipe's name (see `posttrain recipes list`)"
@@ -47,7 +47,8 @@ def _add_recipe_commands(subparsers: argparse._SubParsersAction) -> None:
         parser = subparsers.add_parser(
             name,
             help=spec.summary,
-            description=f"{spec.summary}\n\nRun the `{name}` recipe: posttrain {name} --config FILE [key=value ...]",
+            description=f"{spec.summary}\n\nRun the `{name}` recipe: "
+            f"posttrain {name} --config FILE_OR_NAME [key=value ...]",
             epilog=format_config_keys(spec.schema),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )

@@ -13,6 +13,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 # Imported only by the work itself. numpy is here too: nothing on the parse / help / validate path needs it.
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "datasets", "pyarrow", "fsspec", "ray",
          "tqdm")
@@ -64,15 +66,28 @@ print(json.dumps(report))
 """
 
 
+def _report(commands: list[list[str]], cwd) -> list[dict]:
+    probe = PROBE.format(heavy=HEAVY, commands=commands)
+    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=cwd)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def test_help_version_and_validate_import_no_heavy_library(tmp_path):
     # From another directory: packaged recipes must resolve by name, not through the repository checkout.
-    probe = PROBE.format(heavy=HEAVY, commands=COMMANDS)
-    proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report = _report(COMMANDS, tmp_path)
     ran = {" ".join(entry["argv"]) for entry in report}
     assert {"sft --help", "dpo --help", "flywheel --help", "curate --help"} <= ran  # the recipe commands ran too
     failed = [entry for entry in report if entry["code"] not in (0, None)]
     assert not failed, failed
     heavy = {" ".join(entry["argv"]): entry["heavy"] for entry in report if entry["heavy"]}
     assert not heavy, f"these commands imported heavy modules: {heavy}"
+
+
+@pytest.mark.xfail(strict=True, reason="DPOConfig's validator imports the loss registry "
+                   "(posttrain.algorithms.preference), which imports torch; passes once the loss specs are torch-free")
+def test_validate_of_a_dpo_recipe_imports_no_heavy_library(tmp_path):
+    argv = ["validate", "--quiet", "--config", "dpo_tiny"]
+    entry = next(entry for entry in _report([argv], tmp_path) if entry["argv"] == argv)
+    assert entry["code"] == 0, entry
+    assert not entry["heavy"], entry["heavy"]

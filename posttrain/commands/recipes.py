@@ -10,6 +10,8 @@ import shutil
 import sys
 from pathlib import Path
 
+COMMENT_CHARS = 80  # of a recipe's first comment line in the listing; the file has the rest
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
@@ -47,6 +49,8 @@ def _list(args: argparse.Namespace) -> int:
     width = max(len(name) for name in recipes)
     for name, path in recipes.items():
         kind, comment = _summary(path)
+        if len(comment) > COMMENT_CHARS:
+            comment = comment[: COMMENT_CHARS - 1] + "…"
         print(f"{name:<{width}}  {kind:<9} {comment}")
         if args.paths:
             print(f"{'':<{width}}  {path}")

@@ -13,7 +13,7 @@ from posttrain.config.registry import register_recipe
 class StageRecipe(StrictModel):
     """A stage runs an ordinary posttrain recipe file with dotted overrides on top."""
 
-    recipe: str = Field(description="Path of the stage's YAML recipe (relative to the repository or absolute).")
+    recipe: str = Field(description="The stage's recipe: a packaged recipe's name (sft_tiny) or a YAML file path.")
     overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted key → value, as on the CLI.")
 
 
@@ -56,7 +56,9 @@ class FlywheelRecipe(StrictModel):
     sample: StageRecipe
     dpo: StageRecipe
     eval: EvalSpec = Field(default_factory=EvalSpec)
-    threads: int | None = Field(default=None, ge=1, description="torch threads; default: all cores.")
+    threads: int | None = Field(
+        default=None, ge=1, description="torch threads; default: OMP_NUM_THREADS, else all cores (posttrain.threads)."
+    )
 
 
 register_recipe(
