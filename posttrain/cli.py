@@ -16,11 +16,7 @@ from posttrain import __version__
 from posttrain.config import ConfigError, load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
 
-# Exit codes, documented in the README and in `posttrain --help`.
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_BAD_CONFIG = 2
-EXIT_RESUMABLE = 75  # preempted (SIGTERM/SIGINT): a checkpoint was saved; rerun the same command to resume
+from posttrain.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_RESUMABLE
 
 _COMMAND_MODULES = (
     "posttrain.commands.validate",

@@ -18,11 +18,11 @@ import torch
 
 from posttrain.config.loader import load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
+from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
 from posttrain.flywheel.stages import StageRunner
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
-EXIT_RESUMABLE = 75
 
 
 class StageInterrupted(RuntimeError):
