@@ -298,6 +298,36 @@ def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
     return _iter_json_lines(path)
 
 
+def is_plain_jsonl(path: str) -> bool:
+    """A local, uncompressed JSON-lines file: a reader may split it by byte offset (``to_plain_jsonl`` makes one)."""
+    path = str(path)
+    fs, _ = fsspec.core.url_to_fs(path)
+    return _is_local(fs) and fsspec.utils.infer_compression(path) is None and source_layout(path) == "lines"
+
+
+def to_plain_jsonl(path: str, target: str) -> Iterator[tuple[int, int]]:
+    """Copy any record source to ``target`` as plain JSON lines, one line per input line, row or array
+    element; yield ``(source line, bytes written)`` for each. Lines of JSON-lines sources are copied byte
+    for byte (a bad line stays bad, for the reader of ``target`` to report); rows are written as JSON."""
+    path = str(path)
+    with open(target, "wb") as out:
+        if source_layout(path) == "lines":
+            for number, data in iter_lines(path):
+                out.write(data + b"\n")
+                yield number, len(data) + 1
+            return
+        for number, item in iter_raw_records(path):
+            if isinstance(item, BadLine):
+                data = item.raw.encode("utf-8", errors="backslashreplace") + b"\n"
+            else:
+                try:
+                    data = _json_line(item).encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate from a JSON array: escaped, the reader rejects it
+                    data = (json.dumps(item, default=str) + "\n").encode("ascii")
+            out.write(data)
+            yield number, len(data)
+
+
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, object)`` for each non-blank line; raise ``DataError`` on a malformed line."""
     for number, item in _iter_json_lines(str(path)):
