@@ -1,8 +1,10 @@
 """``posttrain sample``: rejection sampling (best-of-n) for the next round's SFT and preference data.
 
-For each prompt the policy draws ``n`` candidates; a scorer rates them (``scorer.kind: auto`` picks
-the prompt's verifier when it has an answer key, else the reward model when one is configured,
-else the judge). The best candidate becomes an SFT target when it reaches ``min_score``; when the
+Prompts are read through ``posttrain.data`` from any record source (JSONL, JSON, Parquet, saved
+datasets, ``.gz``) and any record format (``formats.to_prompt``); a line that gives no prompt is
+dropped at ``parse`` with the funnel reason of ``posttrain.curate.rows``. For each prompt the policy
+draws ``n`` candidates; a scorer rates them (``scorer.kind: auto`` picks the prompt's verifier when
+it has an answer key, else the reward model when one is configured, else the judge). The best candidate becomes an SFT target when it reaches ``min_score``; when the
 best and worst differ by more than ``pair_margin``, they become a preference pair (chosen = best,
 rejected = worst) with both scores and a rationale naming the scorer. Ties go to the earliest
 candidate for "best" and the latest for "worst", so the choice is deterministic.
