@@ -394,14 +394,15 @@ def _check_pair(chosen: list[Message], rejected: list[Message]) -> None:
         raise FormatError("rejected", "is identical to `chosen`: the pair carries no preference", IDENTICAL_PAIR)
 
 
-def _split_shared_prompt(chosen: list[Message], rejected: list[Message], none_shared: str) -> tuple[list[Message], ...]:
+def _split_shared_prompt(chosen: list[Message], rejected: list[Message], none_shared: str,
+                         category: str) -> tuple[list[Message], ...]:  # fmt: skip
     """``(prompt, chosen, rejected)``: the leading messages both sides share become the prompt."""
     _check_pair(chosen, rejected)
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == 0:
-        raise FormatError("prompt", none_shared, EMPTY_PROMPT)
+        raise FormatError("prompt", none_shared, category)
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
@@ -413,7 +414,7 @@ def _from_preference(raw: dict, fmt: str) -> PreferencePair:
     if prompt is None:
         prompt, chosen, rejected = _split_shared_prompt(
             chosen, rejected, "required field is missing (and `chosen`/`rejected` share no leading messages to use "
-            "as the prompt)")  # fmt: skip
+            "as the prompt)", MISSING_FIELD)  # fmt: skip
         _need_assistant(chosen, "chosen", "has no assistant message after the shared prompt")
         _need_assistant(rejected, "rejected", "has no assistant message after the shared prompt")
     _check_pair(chosen, rejected)
@@ -456,7 +457,7 @@ def _from_hh_rlhf(raw: dict) -> PreferencePair:
     chosen, rejected = hh_turns(_require(raw, "chosen"), "chosen"), hh_turns(_require(raw, "rejected"), "rejected")
     prompt, chosen, rejected = _split_shared_prompt(
         chosen, rejected, "`chosen` and `rejected` share no leading turns, so there is no prompt: an HH-RLHF pair is "
-        "two transcripts of one conversation that differ from some `Assistant:` reply on")  # fmt: skip
+        "two transcripts of one conversation that differ from some `Assistant:` reply on", EMPTY_PROMPT)  # fmt: skip
     _need_assistant(chosen, "chosen", "has no `Assistant:` turn after the turns it shares with `rejected`")
     _need_assistant(rejected, "rejected", "has no `Assistant:` turn after the turns it shares with `chosen`")
     return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected, **_preference_extras(raw),

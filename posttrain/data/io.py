@@ -187,7 +187,7 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine
     if position < len(text) and text[position] == "]":
         return
     while True:
-        line = text.count("\n", 0, position) + 1
+        line, start = text.count("\n", 0, position) + 1, position
         try:
             value, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as exc:
@@ -195,7 +195,11 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine
             raise DataError(path, exc.lineno, None, f"malformed JSON: {exc.msg} (column {exc.colno}); a "
                             "JSON array cannot be read past a syntax error") from None
         if isinstance(value, dict):
-            yield line, value
+            if "\\ud" in text[start:position].lower() and not _encodable(value):
+                yield line, BadLine("a \\u escape holds a lone surrogate (not valid Unicode text)", INVALID_UTF8,
+                                    json.dumps(value))
+            else:
+                yield line, value
         else:
             yield line, BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT,
                                 json.dumps(value))

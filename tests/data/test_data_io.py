@@ -289,3 +289,10 @@ def test_hh_rlhf_and_prompt_completion_files_read_by_kind(tmp_path):
     records, report = read_records(path, kind="preference", on_error="quarantine", progress=False)
     assert report.formats == {"hh_rlhf": 1} and report.reasons == {"wrong record kind": 1}
     assert records[0].prompt[0].content == "Name a fruit."
+
+
+def test_a_lone_surrogate_in_a_json_array_is_bad_utf8_too(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[{"prompt": "q", "completion": "\\ud800"}, {"prompt": "q", "completion": "\\ud83d\\ude00"}]')
+    records, report = read_records(str(path), on_error="quarantine", progress=False)
+    assert report.reasons == {INVALID_UTF8: 1} and records[0].messages[-1].content == "\U0001f600"
