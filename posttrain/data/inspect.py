@@ -86,14 +86,13 @@ def length_stats(lengths: list[int], max_length: int) -> dict[str, Any]:
 
 
 def _token_stats(records: list[Record], model: str, max_length: int, limit: int | None) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from posttrain.models.load import load_tokenizer
+    from posttrain.progress import progress
 
     tokenizer = load_tokenizer(model)
     chosen = records if limit is None else records[:limit]
     by_kind: dict[str, list[int]] = {}
-    for record in tqdm(chosen, desc="measuring token lengths", unit=" rec", disable=None, leave=False):
+    for record in progress(chosen, desc="measuring token lengths", unit="rec"):
         by_kind.setdefault(record.kind, []).append(_record_length(record, tokenizer))
     return {kind: length_stats(lengths, max_length) for kind, lengths in by_kind.items()}
 
