@@ -15,7 +15,6 @@ import sys
 from posttrain import __version__
 from posttrain.config import ConfigError, load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
-
 from posttrain.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_RESUMABLE
 
 _COMMAND_MODULES = (

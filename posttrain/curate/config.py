@@ -304,7 +304,9 @@ class RewardModelConfig(StrictModel):
     path: str = Field(description="Sequence-classification model with one label (HF directory).")
     dtype: Literal["float32", "bfloat16"] = "float32"
     batch_size: int = Field(default=8, ge=1)
-    max_length: int = Field(default=1024, ge=8)
+    max_length: int | None = Field(
+        default=None, ge=8, description="Tokens per scored chat; default: the max_length the reward model was trained with."
+    )
 
 
 class ScorerConfig(StrictModel):

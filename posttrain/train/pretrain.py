@@ -17,7 +17,15 @@ from posttrain.data.records import stable_id
 from posttrain.data.tokenize import TokenizedExample
 from posttrain.models.logprobs import TokenLogprobModel
 from posttrain.train.loop import train
-from posttrain.train.runner import batch_geometry, build_policy, export_final, finish, loop_settings, say, start_run
+from posttrain.train.runner import (
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
 from posttrain.train.sft import build_units, mean_loss_evaluator, sft_source, sft_step_loss
 
 

@@ -12,15 +12,14 @@ setup → train → evaluate → export, on the shared loop:
    forward (one row per pair with the shared prompt, as in DPO);
 4. held-out pairwise accuracy before and after training (``eval.json``, and in ``metrics.jsonl``);
 5. export to ``output_dir/final`` in HF format (loadable by ``AutoModelForSequenceClassification``), plus
-   ``posttrain_reward.json`` with the tokenisation settings that ``load_reward_scorer`` reuses.
+   ``posttrain_reward.json`` with the tokenisation settings that the scorer
+   (``posttrain.train.reward_scorer.RewardScorer``) reuses.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,8 +28,6 @@ from transformers import AutoModelForSequenceClassification
 from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
-from posttrain.data.records import Message
-from posttrain.data.tokenize import tokenize_prompt_completion
 from posttrain.models.load import DTYPES, load_tokenizer
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
@@ -47,12 +44,19 @@ from posttrain.train.pairs import (
     write_jsonl,
 )
 from posttrain.train.precision import autocast
-from posttrain.train.runner import batch_geometry, build_policy, export_final, finish, loop_settings, say, start_run
+from posttrain.train.reward_scorer import SCORER_SETTINGS
+from posttrain.train.runner import (
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
 from posttrain.train.sft import curriculum_items
 from posttrain.train.source import BatchGeometry, StreamSource
 from posttrain.train.stream import Difficulty, build_stream
-
-SCORER_SETTINGS = "posttrain_reward.json"
 
 
 class RewardModel(torch.nn.Module):
@@ -229,52 +233,3 @@ def run_reward_model(config: RewardModelRecipe) -> int:
         return code
     finally:
         dist.destroy()
-
-
-# ------------------------------------------------------------------------------------------------ scoring
-
-Conversation = Sequence[Message | dict[str, Any]] | str
-
-
-def load_reward_scorer(
-    path: str | Path, device: str | torch.device | None = None, batch_size: int = 16, max_length: int | None = None,
-    dtype: str = "float32",
-) -> Callable[[list[tuple[Conversation, str]]], list[float]]:
-    """Load a reward model exported by ``posttrain rm``; return ``score(items) -> rewards``.
-
-    ``items`` is a list of ``(prompt_messages, response_text)``; the prompt may also be a plain string
-    (one user turn). Each response is scored as the assistant's reply through the chat template, the
-    same way the model was trained. ``max_length`` defaults to the training run's.
-    """
-    path = Path(path)
-    settings_path = path / SCORER_SETTINGS
-    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
-    max_length = max_length or settings.get("max_length", 2048)
-    side = settings.get("truncation_side", "left")
-    tokenizer = load_tokenizer(str(path))
-    device = torch.device(device) if device is not None else dist.device()
-    lm = load_reward_lm(str(path), dtype, "sdpa", False, tokenizer.pad_token_id, device).eval()
-    root = RewardModel(lm)
-
-    def score(items: list[tuple[Conversation, str]]) -> list[float]:
-        rewards: list[float] = []
-        for start in range(0, len(items), batch_size):
-            examples = []
-            for prompt, response in items[start : start + batch_size]:
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-                examples.append(tokenize_prompt_completion(
-                    messages, [{"role": "assistant", "content": response}], tokenizer, max_length, side).input_ids)
-            width = max(len(ids) for ids in examples)
-            input_ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(examples), width), dtype=torch.long)
-            for row, ids in enumerate(examples):
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                mask[row, : len(ids)] = 1
-            positions = torch.arange(width).expand(len(examples), -1)
-            last = torch.tensor([row * width + len(ids) - 1 for row, ids in enumerate(examples)])
-            with torch.no_grad():
-                values = root(input_ids.to(device), positions.to(device), mask.to(device), last.to(device))
-            rewards.extend(float(v) for v in values.cpu())
-        return rewards
-
-    return score

@@ -150,14 +150,15 @@ def tiny_reward_model(tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_model_scores_the_last_token_and_ignores_padding(tiny_reward_model):
-    scorer = RewardModelScorer(RewardModelConfig(path=tiny_reward_model, batch_size=4))
+    scorer = RewardModelScorer(RewardModelConfig(path=tiny_reward_model, batch_size=2))
+    prompt = [{"role": "user", "content": "Name a fruit."}]
     texts = ["short", "a much longer piece of text than the first one", "mid length text"]
-    batched = scorer.score_texts(texts)
+    batched = scorer.score([PromptRecord("q", prompt)], [texts])[0]
+    one = scorer.scorer
     for text, score in zip(texts, batched, strict=True):
-        ids = scorer.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            hidden = scorer.model.model(input_ids=ids).last_hidden_state
-            manual = scorer.model.score(hidden[:, -1]).item()
+        ids = torch.tensor([one.encode(prompt, text)])
+        with torch.no_grad():  # HF's own forward on the unpadded chat, read at its last token
+            manual = one.root.lm(input_ids=ids).logits[0, 0].item()
         assert score == pytest.approx(manual, abs=1e-5)
     assert len(set(batched)) == 3
 
