@@ -7,6 +7,7 @@ import copy
 import pytest
 from tokenizers import processors
 
+from posttrain.data.chat import chat_facts, encode_prompt
 from posttrain.data.records import Message, PreferencePair, SFTExample
 from posttrain.data.samples import sample_sft_records
 from posttrain.data.tokenize import (
@@ -79,16 +80,21 @@ def test_record_tags_are_carried(tiny_tokenizer):
     assert (example.id, example.tier, example.difficulty) == ("abc", 3, 0.7)
 
 
-def test_turn_without_eos_ends_at_its_last_non_space_character(tiny_tokenizer):
+def test_plain_text_end_of_turn_is_found_from_the_template(tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} [END]\n\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
+    assert chat_facts(tokenizer).end_of_turn == " [END]"
     example = tokenize_chat(CHAT[1:3], tokenizer, 512)
-    # BPE merges the generation prompt's trailing space into " The"; that token is trained (not lost),
-    # and the "\n\n" between turns is not.
-    assert [tokenizer.decode(run) for run in labelled_runs(example)] == [" The answer is 42. [END]"]
+    # The generation prompt ends in a space that BPE would merge into " The". Training encodes the turn
+    # from where the prompt ends, as generation samples it: the prompt keeps its " " token, the turn
+    # starts with "The", and the "\n\n" between turns is not trained.
+    assert [tokenizer.decode(run) for run in labelled_runs(example)] == ["The answer is 42. [END]"]
+    prompt_ids = encode_prompt(tokenizer, CHAT[1:2])
+    assert example.input_ids[: len(prompt_ids)] == prompt_ids and tokenizer.decode(prompt_ids[-1:]) == " "
+    assert example.labels[len(prompt_ids) - 1] == IGNORE_INDEX != example.labels[len(prompt_ids)]
 
 
 def test_template_that_rewrites_earlier_turns_is_refused(tiny_tokenizer):
