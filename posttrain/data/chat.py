@@ -1,9 +1,11 @@
 """Chat rendering and encoding: the one place that turns a conversation into text and token ids, for
 training (``posttrain.data.tokenize``) and for generation (``posttrain.generate``) alike.
 
-The contract GRPO and DPO rely on: the ids a prompt is sampled from, ``encode_prompt(tokenizer, prompt)``,
-are exactly the ids training puts before the first trained token of ``prompt + completion``. Both go
-through ``encode_at_cuts``, which encodes a text in pieces cut where each assistant turn starts.
+The contract GRPO and DPO rely on: the ids a prompt is sampled from, ``encode_prompt(tokenizer, prompt)``
+(the rendered prompt encoded whole, implicit BOS added once), are exactly the ids training puts before
+the first trained token of ``prompt + completion``: training encodes with ``encode_at_cuts``, cut where
+each assistant turn starts, so its first piece is the same prompt text encoded alone (for tokenizers
+that cannot encode pieces apart, it checks that the whole encoding starts with those ids).
 
 **Template facts** (``chat_facts``) are found once per tokenizer by rendering a probe conversation
 ``[user, assistant, user, assistant]`` with sentinel contents, not from a list of known tokens:
@@ -47,6 +49,7 @@ __all__ = [
     "as_message_dicts",
     "chat_facts",
     "encode_at_cuts",
+    "encode_ids",
     "encode_prompt",
     "encode_texts",
     "render_chats",
@@ -126,6 +129,14 @@ def render_prompt(tokenizer, prompt: Prompt) -> str:
 # ------------------------------------------------------------------------------------- encoding
 
 
+def encode_ids(tokenizer, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, without special tokens (any tokenizer, fast or not)."""
+    if not texts:
+        return []
+    encoded = tokenizer(texts, add_special_tokens=False, return_attention_mask=False, return_token_type_ids=False)
+    return [list(ids) for ids in encoded["input_ids"]]
+
+
 def encode_texts(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
     """``(ids, character offsets)`` for each text, without special tokens, in one batched call."""
     if not getattr(tokenizer, "is_fast", False):
@@ -191,9 +202,9 @@ def encode_at_cuts(tokenizer, texts: list[str], cuts: list[list[int]], facts: Ch
 def encode_prompt(tokenizer, prompt: Prompt) -> list[int]:
     """The ids a model is given to continue ``prompt`` (see ``render_prompt``), with the tokenizer's
     implicit prefix (BOS) added once. Training uses the same ids before a completion's first token."""
-    facts = chat_facts(tokenizer)
-    [segments] = encode_at_cuts(tokenizer, [render_prompt(tokenizer, prompt)], [[]], facts)
-    return with_implicit_prefix([i for _, ids, _ in segments for i in ids], facts.implicit_prefix)
+    # No cut inside a prompt, so both ways of ``encode_at_cuts`` give the text encoded whole.
+    [ids] = encode_ids(tokenizer, [render_prompt(tokenizer, prompt)])
+    return with_implicit_prefix(ids, chat_facts(tokenizer).implicit_prefix)
 
 
 # ------------------------------------------------------------------------------------- template facts
@@ -211,7 +222,7 @@ def _implicit_prefix(tokenizer) -> tuple[int, ...]:
 
 def _pieces_encode_alone(tokenizer) -> bool:
     """Whether ``"x\\n"`` and ``"y"`` encoded apart give the ids of ``"x\\ny"`` (no per-call prefix marker)."""
-    (left, _), (right, _), (joined, _) = encode_texts(tokenizer, ["x\n", "y", "x\ny"])
+    left, right, joined = encode_ids(tokenizer, ["x\n", "y", "x\ny"])
     return left + right == joined
 
 
@@ -226,6 +237,8 @@ def _common_token_run(tokenizer, first: str, second: str) -> str:
 
 def _probe_turn_end(tokenizer) -> tuple[str | None, str]:
     """``(end_of_turn, tail)`` from rendering the probe conversation; ``(None, "")`` if it cannot be."""
+    if not getattr(tokenizer, "is_fast", False):  # the common token run needs offsets
+        return None, ""
     user_1, assistant_1, user_2, assistant_2 = _PROBE
     probe = [{"role": "user", "content": user_1}, {"role": "assistant", "content": assistant_1},
              {"role": "user", "content": user_2}, {"role": "assistant", "content": assistant_2}]
@@ -233,11 +246,10 @@ def _probe_turn_end(tokenizer) -> tuple[str | None, str]:
         text = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=False)
     except Exception:  # noqa: BLE001 - a template that refuses the probe falls back to the EOS rule
         return None, ""
-    first_end = text.find(assistant_1) + len(assistant_1)
-    next_user, last_end = text.find(user_2, first_end), text.rfind(assistant_2) + len(assistant_2)
-    if first_end < len(assistant_1) or next_user < 0 or last_end < next_user:
+    first, next_user, last = text.find(assistant_1), text.find(user_2), text.rfind(assistant_2)
+    if not 0 <= first < next_user < last:  # the template dropped or reordered the probe's contents
         return None, ""
-    after_last = text[last_end:]
+    first_end, after_last = first + len(assistant_1), text[last + len(assistant_2):]
     common = _common_token_run(tokenizer, text[first_end:next_user], after_last)
     return common.rstrip(), after_last[len(common):]
 
@@ -245,7 +257,7 @@ def _probe_turn_end(tokenizer) -> tuple[str | None, str]:
 def _end_of_turn_ids(tokenizer, end_of_turn: str | None) -> tuple[int, ...]:
     if not end_of_turn or not end_of_turn.strip():
         return ()
-    [(ids, _)] = encode_texts(tokenizer, [end_of_turn.strip()])
+    [ids] = encode_ids(tokenizer, [end_of_turn.strip()])
     special = set(getattr(tokenizer, "all_special_ids", [])) | set(getattr(tokenizer, "added_tokens_decoder", {}))
     return tuple(ids) if len(ids) == 1 and ids[0] in special else ()
 

@@ -21,7 +21,7 @@ which tokens to train. For each trained assistant message ``i``:
    its own: its own view, so every turn is trained on exactly the text the model saw and wrote when it
    produced it. ``tokenize_chat_rows`` and ``tokenize_records`` return such rows; ``tokenize_chat`` and
    ``tokenize_prompt_completion`` return one example and raise ``TemplateError`` when one is not enough.
-4. Each row is encoded once (``chat.encode_at_cuts``, cut where each trained turn starts, so the ids
+4. Each row is encoded once (``posttrain.data.chat.encode_at_cuts``, cut where each trained turn starts, so the ids
    before a turn are the ids of its prompt encoded alone: ``encode_prompt(prompt)`` is exactly the part
    of ``tokenize_prompt_completion(prompt, completion).input_ids`` before the first trained token), and
    every token with a character inside a trained span is labelled (``labels = input_ids`` there,
@@ -44,8 +44,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from posttrain.data import chat
-from posttrain.data.chat import ChatFacts, TemplateError, as_message_dicts, chat_facts
+from posttrain.data import chat as chat_text
+from posttrain.data.chat import (
+    ChatFacts,
+    Segment,
+    TemplateError,
+    as_message_dicts,
+    chat_facts,
+    encode_at_cuts,
+    render_chats,
+    with_implicit_prefix,
+)
 from posttrain.data.records import Message, PreferencePair, SFTExample, stable_id
 from posttrain.models.logprobs import IGNORE_INDEX
 from posttrain.progress import progress as progress_bar
@@ -113,14 +122,14 @@ class TokenizeReport:
 def render_prompt(messages: Sequence[Message | dict[str, Any]], tokenizer) -> str:
     """The text a model continues from to answer ``messages``; ``posttrain.data.chat.render_prompt`` with
     this module's historical argument order (messages first)."""
-    return chat.render_prompt(tokenizer, list(messages))
+    return chat_text.render_prompt(tokenizer, list(messages))
 
 
 # ------------------------------------------------------------------------------------- planning
 
 
 @dataclass
-class _Chat:
+class _Conversation:
     """A conversation to tokenise and the indices of the assistant messages to train."""
 
     messages: list[dict[str, Any]]
@@ -139,7 +148,7 @@ class _Row:
     turns: list[int] = field(default_factory=list)  # message index of each span
 
 
-def _as_chat(record_or_messages: SFTExample | Sequence[Message | dict[str, Any]]) -> _Chat:
+def _as_chat(record_or_messages: SFTExample | Sequence[Message | dict[str, Any]]) -> _Conversation:
     if isinstance(record_or_messages, SFTExample):
         record = record_or_messages
         messages = as_message_dicts(record.messages)
@@ -148,7 +157,7 @@ def _as_chat(record_or_messages: SFTExample | Sequence[Message | dict[str, Any]]
         messages = as_message_dicts(record_or_messages)
         example_id, tier, difficulty = stable_id(messages, "sft-"), None, None
     trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return _Chat(messages, trained, example_id, tier, difficulty)
+    return _Conversation(messages, trained, example_id, tier, difficulty)
 
 
 def _turn_end(turn: str, facts: ChatFacts, eos_token: str | None) -> int | None:
@@ -166,13 +175,13 @@ def _turn_end(turn: str, facts: ChatFacts, eos_token: str | None) -> int | None:
     return None if at < 0 else at + len(facts.end_of_turn)
 
 
-def _place_turn(rows: list[_Row], chat_: _Chat, index: int, prompt: str, view: str, facts: ChatFacts,
-                eos_token: str | None) -> None:
+def _place_turn(rows: list[_Row], conversation: _Conversation, index: int, prompt: str, view: str,
+                facts: ChatFacts, eos_token: str | None) -> None:
     """Add assistant turn ``index`` (its prompt and own view rendered) to the first row that shows it as its
     own view does, or to a new row holding its own view."""
     if not view.startswith(prompt):
         raise TemplateError(
-            f"the chat template is not prefix-consistent at message {index} of {chat_.id}: the prompt "
+            f"the chat template is not prefix-consistent at message {index} of {conversation.id}: the prompt "
             "(the conversation before the turn, with the generation prompt) is not a prefix of the "
             "conversation rendered through the turn, so the template renders a turn differently when it "
             "is generated than when it is history and no loss mask matches what the model would see."
@@ -180,7 +189,7 @@ def _place_turn(rows: list[_Row], chat_: _Chat, index: int, prompt: str, view: s
     end = _turn_end(view[len(prompt):], facts, eos_token)
     if end is None:
         raise TemplateError(
-            f"assistant message {index} of {chat_.id} does not end with the template's end-of-turn text "
+            f"assistant message {index} of {conversation.id} does not end with the template's end-of-turn text "
             f"{facts.end_of_turn!r} (found by rendering a probe conversation), so where its trained text "
             "stops is unknown."
         )
@@ -195,34 +204,34 @@ def _place_turn(rows: list[_Row], chat_: _Chat, index: int, prompt: str, view: s
     rows.append(_Row(view, [(start, end)], [index]))
 
 
-def _plan_rows(tokenizer, chats: list[_Chat], facts: ChatFacts) -> list[list[_Row]]:
+def _plan_rows(tokenizer, conversations: list[_Conversation], facts: ChatFacts) -> list[list[_Row]]:
     """The rows of each chat. Renders each chat once whole, and each trained turn's prompt and (unless
     the turn is the last message, whose view is the whole chat) its own view, in two batched calls."""
     prompts, prompt_names, views, view_names = [], [], [], []
-    for chat_ in chats:
-        views.append(chat_.messages)
-        view_names.append(f"{chat_.id} (whole chat)")
-        for index in chat_.trained:
+    for conversation in conversations:
+        views.append(conversation.messages)
+        view_names.append(f"{conversation.id} (whole chat)")
+        for index in conversation.trained:
             if index == 0:
                 raise TemplateError(
-                    f"message 0 of {chat_.id} is an assistant turn: there is no prompt before it to render, so "
+                    f"message 0 of {conversation.id} is an assistant turn: there is no prompt before it to render, so "
                     "where its text starts is unknown. Put the user message it answers before it, or drop it."
                 )
-            prompts.append(chat_.messages[:index])
-            prompt_names.append(f"{chat_.id} messages[:{index}] (with the generation prompt)")
-            if index + 1 < len(chat_.messages):
-                views.append(chat_.messages[: index + 1])
-                view_names.append(f"{chat_.id} messages[:{index + 1}]")
-    prompt_texts = iter(chat.render_chats(tokenizer, prompts, True, prompt_names))
-    view_texts = iter(chat.render_chats(tokenizer, views, False, view_names))
+            prompts.append(conversation.messages[:index])
+            prompt_names.append(f"{conversation.id} messages[:{index}] (with the generation prompt)")
+            if index + 1 < len(conversation.messages):
+                views.append(conversation.messages[: index + 1])
+                view_names.append(f"{conversation.id} messages[:{index + 1}]")
+    prompt_texts = iter(render_chats(tokenizer, prompts, True, prompt_names))
+    view_texts = iter(render_chats(tokenizer, views, False, view_names))
     eos_token = getattr(tokenizer, "eos_token", None)
     planned = []
-    for chat_ in chats:
+    for conversation in conversations:
         rows = [_Row(next(view_texts))]
-        for index in chat_.trained:
+        for index in conversation.trained:
             prompt = next(prompt_texts)
-            view = next(view_texts) if index + 1 < len(chat_.messages) else rows[0].text
-            _place_turn(rows, chat_, index, prompt, view, facts, eos_token)
+            view = next(view_texts) if index + 1 < len(conversation.messages) else rows[0].text
+            _place_turn(rows, conversation, index, prompt, view, facts, eos_token)
         with_turns = sorted((row for row in rows if row.spans), key=lambda row: row.turns[0])
         planned.append(with_turns or rows[:1])
     return planned
@@ -246,7 +255,7 @@ def _label_segment(ids: list[int], offsets: list[tuple[int, int]], spans: list[t
     return labels
 
 
-def _mask(segments: list[chat.Segment], spans: list[tuple[int, int]], prefix: Sequence[int]
+def _mask(segments: list[Segment], spans: list[tuple[int, int]], prefix: Sequence[int]
           ) -> tuple[list[int], list[int]]:
     """``(input_ids, labels)`` of an encoded row: labels on the tokens that overlap a span, the implicit
     prefix (BOS) in front, untrained, unless the rendering starts with it."""
@@ -257,20 +266,20 @@ def _mask(segments: list[chat.Segment], spans: list[tuple[int, int]], prefix: Se
         local = [(start - seg_start, end - seg_start) for start, end in spans if start < seg_end and end > seg_start]
         ids += seg_ids
         labels += _label_segment(seg_ids, offsets, local) if local else [IGNORE_INDEX] * len(seg_ids)
-    full_ids = chat.with_implicit_prefix(ids, prefix)
+    full_ids = with_implicit_prefix(ids, prefix)
     return full_ids, [IGNORE_INDEX] * (len(full_ids) - len(ids)) + labels
 
 
 def _encode_rows(tokenizer, rows: list[_Row], facts: ChatFacts) -> list[tuple[list[int], list[int]]]:
     """``(input_ids, labels)`` for each row, in one batched encoding."""
-    encoded = chat.encode_at_cuts(tokenizer, [row.text for row in rows],
+    encoded = encode_at_cuts(tokenizer, [row.text for row in rows],
                                   [[start for start, _ in row.spans] for row in rows], facts)
     return [_mask(segments, row.spans, facts.implicit_prefix) for row, segments in zip(rows, encoded, strict=True)]
 
 
-def _row_id(chat_: _Chat, row: _Row, rows: list[_Row]) -> str:
+def _row_id(conversation: _Conversation, row: _Row, rows: list[_Row]) -> str:
     """The chat's id, or ``<id>/turn<i>`` (``i``: the first message it trains) when the chat has several rows."""
-    return chat_.id if len(rows) == 1 else f"{chat_.id}/turn{row.turns[0]}"
+    return conversation.id if len(rows) == 1 else f"{conversation.id}/turn{row.turns[0]}"
 
 
 def _check_side(truncation_side: str) -> None:
@@ -283,21 +292,22 @@ def _truncate_chat(ids: list[int], labels: list[int], max_length: int, side: str
     return ids[keep], labels[keep]
 
 
-def _tokenize_chats(tokenizer, chats: list[_Chat], max_length: int, truncation_side: str,
+def _tokenize_chats(tokenizer, conversations: list[_Conversation], max_length: int, truncation_side: str,
                     facts: ChatFacts) -> list[list[tuple[TokenizedExample, int]]]:
-    """The rows of each chat as ``(example, untruncated length)``, truncated as SFT chats are."""
-    planned = _plan_rows(tokenizer, chats, facts)
+    """The rows of each chat as ``(example, untruncated length)``, truncated as SFT conversations are."""
+    planned = _plan_rows(tokenizer, conversations, facts)
     encoded = iter(_encode_rows(tokenizer, [row for rows in planned for row in rows], facts))
     out = []
-    for chat_, rows in zip(chats, planned, strict=True):
+    for conversation, rows in zip(conversations, planned, strict=True):
         examples = []
         for row in rows:
             ids, labels = next(encoded)
             length, truncated = len(ids), len(ids) > max_length
             if truncated:
                 ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
-            examples.append((TokenizedExample(ids, labels, truncated, _row_id(chat_, row, rows), chat_.tier,
-                                              chat_.difficulty), length))
+            example_id = _row_id(conversation, row, rows)
+            example = TokenizedExample(ids, labels, truncated, example_id, conversation.tier, conversation.difficulty)
+            examples.append((example, length))
         out.append(examples)
     return out
 
@@ -354,7 +364,7 @@ def tokenize_prompt_completion(
 ) -> TokenizedExample:
     """Tokenise ``prompt + completion``; labels only on the completion's assistant turns.
 
-    Untruncated, the ids before the first trained token are ``chat.encode_prompt(tokenizer, prompt)``:
+    Untruncated, the ids before the first trained token are ``posttrain.data.chat.encode_prompt(tokenizer, prompt)``:
     the ids generation samples the completion from. Truncation keeps the completion and cuts the prompt
     first (see the module docstring).
     """
@@ -364,7 +374,7 @@ def tokenize_prompt_completion(
         example_id = stable_id([prompt, completion], "pc-")
     trained = [len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant"]
     facts = chat_facts(tokenizer)
-    [rows] = _plan_rows(tokenizer, [_Chat(prompt + completion, trained, example_id)], facts)
+    [rows] = _plan_rows(tokenizer, [_Conversation(prompt + completion, trained, example_id)], facts)
     if len(rows) > 1:
         raise TemplateError(
             f"{example_id}: the chat template renders the completion's earlier assistant turns differently once "
@@ -409,7 +419,7 @@ def tokenize_records(
     batch_size: int = 256,
 ) -> tuple[list[TokenizedExample], TokenizeReport]:
     """Tokenise SFT records (the same rows as ``tokenize_chat_rows`` on each, in record order) with a
-    progress bar, rendering and encoding ``batch_size`` chats per call; the report counts truncation and
+    progress bar, rendering and encoding ``batch_size`` conversations per call; the report counts truncation and
     rows (nothing is dropped)."""
     _check_side(truncation_side)
     report = TokenizeReport(max_length=max_length, truncation_side=truncation_side)
@@ -418,8 +428,8 @@ def tokenize_records(
     facts = chat_facts(tokenizer)
     bar = progress_bar(total=len(records), desc="tokenising", unit="ex", disable=not progress)
     for start in range(0, len(records), batch_size):
-        chats = [_as_chat(record) for record in records[start : start + batch_size]]
-        for rows in _tokenize_chats(tokenizer, chats, max_length, truncation_side, facts):
+        conversations = [_as_chat(record) for record in records[start : start + batch_size]]
+        for rows in _tokenize_chats(tokenizer, conversations, max_length, truncation_side, facts):
             report.records += 1
             for example, length in rows:
                 report.lengths.append(length)
@@ -432,6 +442,6 @@ def tokenize_records(
                 report.target_tokens += targets
                 report.no_targets += targets == 0
                 examples.append(example)
-        bar.update(len(chats))
+        bar.update(len(conversations))
     bar.close()
     return examples, report
