@@ -225,3 +225,16 @@ def test_preference_pair_shares_the_prompt(tiny_tokenizer):
     first_r = next(i for i, label in enumerate(rejected.labels) if label != IGNORE_INDEX)
     assert first_c == first_r and chosen.input_ids[:first_c] == rejected.input_ids[:first_r]
     assert tiny_tokenizer.decode(labelled_runs(rejected)[0]) == "chair" + EOT
+
+
+def test_a_chat_the_template_refuses_is_named_in_the_error(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (  # roles must alternate, as Mistral's and Llama-2's templates demand
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    good = SFTExample(messages=CHAT[1:5], id="good")
+    bad = SFTExample(messages=[*CHAT[1:3], Message(role="assistant", content="And more.")], id="bad")
+    assert len(tokenize_records([good], tokenizer, 512, progress=False)[0]) == 1
+    with pytest.raises(TemplateError, match="failed to render bad .*roles must alternate"):
+        tokenize_records([good, bad], tokenizer, 512, progress=False)
