@@ -21,9 +21,9 @@ which tokens to train. For each trained assistant message ``i``:
    its own: its own view, so every turn is trained on exactly the text the model saw and wrote when it
    produced it. ``tokenize_chat_rows`` and ``tokenize_records`` return such rows; ``tokenize_chat`` and
    ``tokenize_prompt_completion`` return one example and raise ``TemplateError`` when one is not enough.
-4. Each row is encoded once (``posttrain.data.chat.encode_at_cuts``, cut where each trained turn starts, so the ids
-   before a turn are the ids of its prompt encoded alone: ``encode_prompt(prompt)`` is exactly the part
-   of ``tokenize_prompt_completion(prompt, completion).input_ids`` before the first trained token), and
+4. Each row is encoded once (``chat.encode_at_cuts``, cut where each trained turn starts, so the ids
+   before a turn are the ids of its prompt encoded alone: ``chat.encode_prompt(prompt)`` is exactly the
+   part of ``tokenize_prompt_completion(prompt, completion).input_ids`` before the first trained token), and
    every token with a character inside a trained span is labelled (``labels = input_ids`` there,
    ``IGNORE_INDEX`` elsewhere). The tokenizer's implicit BOS is prepended when the template did not
    render it; special tokens are never added twice.
