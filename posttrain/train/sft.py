@@ -19,9 +19,8 @@ from posttrain.config.recipes import SFTRecipe
 from posttrain.data.errors import DataError
 from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
-from posttrain.data.tokenize import TokenizedExample, tokenize_chat
+from posttrain.data.tokenize import TokenizedExample, tokenize_records
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
-from posttrain.progress import progress
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.precision import autocast
@@ -54,23 +53,29 @@ class SFTData:
 
 
 def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str) -> SFTData:
+    """Read and tokenise SFT records; an example left with no trained token is dropped and counted.
+
+    A template that rewrites earlier turns (Qwen3-style) gives one row per such turn
+    (``posttrain.data.tokenize``); the count says so.
+    """
     quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
     )
     say(report.summary())
+    rows, tokens = tokenize_records(records, tokenizer, config.train.max_length, config.data.truncation_side,
+                                    progress=dist.is_main())
     examples, dropped = [], Counter()
-    truncated = 0
-    for record in progress(records, desc=f"tokenize {path}", unit="ex", disable=not dist.is_main()):
-        example = tokenize_chat(record, tokenizer, config.train.max_length, config.data.truncation_side)
-        truncated += example.truncated
+    for example in rows:
         if loss_tokens(example.labels) == 0:
             dropped["no assistant tokens left after truncation"] += 1
             continue
         examples.append(example)
+    extra_rows = tokens.examples - tokens.records
     say(
-        f"{path}: {len(examples)} examples tokenized; {truncated} truncated to {config.train.max_length} tokens "
-        f"({config.data.truncation_side} side)"
+        f"{path}: {len(examples)} examples tokenized"
+        + (f" ({extra_rows} extra rows: the template rewrites earlier turns)" if extra_rows else "")
+        + f"; {tokens.truncated} truncated to {config.train.max_length} tokens ({config.data.truncation_side} side)"
         + "".join(f"; dropped {n}: {why}" for why, n in dropped.items())
     )
     return SFTData(examples, dropped)
