@@ -57,16 +57,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _record_length(record: Record, tokenizer) -> int:
     """Tokens the record occupies in training: the whole chat, the longer side of a pair, or the prompt."""
-    from posttrain.data.tokenize import render_prompt, tokenize_chat, tokenize_prompt_completion
+    from posttrain.data.chat import encode_prompt
+    from posttrain.data.tokenize import tokenize_chat_rows, tokenize_prompt_completion
 
     unlimited = 1 << 62
-    if isinstance(record, SFTExample):
-        return len(tokenize_chat(record, tokenizer, unlimited))
+    if isinstance(record, SFTExample):  # a template that rewrites history gives one row per turn: the longest
+        return max(len(row) for row in tokenize_chat_rows(record, tokenizer, unlimited))
     if isinstance(record, PreferencePair):
         return max(len(tokenize_prompt_completion(record.prompt, side, tokenizer, unlimited))
                    for side in (record.chosen, record.rejected))
     assert isinstance(record, RLPrompt)
-    return len(tokenizer(render_prompt(record.prompt, tokenizer), add_special_tokens=False)["input_ids"])
+    return len(encode_prompt(tokenizer, record.prompt))  # the ids generation samples from (implicit BOS included)
 
 
 def length_stats(lengths: list[int], max_length: int) -> dict[str, Any]:
