@@ -20,7 +20,7 @@ from posttrain.config.sections import (
 
 
 class TrainingRecipe(StrictModel):
-    """Fields every training recipe shares (SFT, DPO, reward model, GRPO)."""
+    """Fields every training recipe shares (SFT, pretrain, DPO, reward model)."""
 
     output_dir: str
     model: ModelConfig

@@ -1,4 +1,4 @@
-"""Config sections shared by the training recipes (SFT, DPO, reward model, GRPO)."""
+"""Config sections shared by the training recipes (SFT, pretrain, DPO, reward model)."""
 
 from __future__ import annotations
 

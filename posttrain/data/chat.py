@@ -1,7 +1,7 @@
 """Chat rendering and encoding: the one place that turns a conversation into text and token ids, for
 training (``posttrain.data.tokenize``) and for generation (``posttrain.generate``) alike.
 
-The contract GRPO and DPO rely on: the ids a prompt is sampled from, ``encode_prompt(tokenizer, prompt)``
+The contract training and sampling rely on: the ids a prompt is sampled from, ``encode_prompt(tokenizer, prompt)``
 (the rendered prompt encoded whole, implicit BOS added once), are exactly the ids training puts before
 the first trained token of ``prompt + completion``: training encodes with ``encode_at_cuts``, cut where
 each assistant turn starts, so its first piece is the same prompt text encoded alone (for tokenizers

@@ -2,7 +2,7 @@
 
 The loop never holds the run's data. Before step ``s`` it asks ``source.next_step(s, model)`` for
 this rank's micro-batches, so a source may read them from a fixed stream (SFT, DPO, RM, pretrain:
-``StreamSource``) or make them from the current model (GRPO samples rollouts from the weights the
+``StreamSource``) or make them from the current model (an RL source samples rollouts from the weights the
 loop is training). After the step, ``source.end_step`` folds what the step measured into the
 source's own state (BCO's running reward shift, an RL prompt sampler's pass rates) — only for steps
 whose update the health guard accepted, so a skipped batch leaves no trace there either.
