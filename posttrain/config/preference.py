@@ -73,7 +73,7 @@ class DPOConfig(StrictModel):
     )
     reference: Literal["precomputed", "live", "none"] | None = Field(
         default=None,
-        description="precomputed: one pass before training, cached next to the data, reference model freed; "
+        description="precomputed: one pass before training, cached (see reference_cache_dir), reference model freed; "
         "live: keep the reference model and run it every step; none: reference-free losses. "
         "Default: precomputed when a chosen loss needs a reference, else none.",
     )
@@ -81,8 +81,8 @@ class DPOConfig(StrictModel):
     reference_batch_size: int = Field(default=16, ge=1, description="Pairs per forward in the precompute pass.")
     reference_cache_dir: str | None = Field(
         default=None,
-        description="Where the reference log-prob cache lives; default: next to the data "
-        "(<data dir>/.posttrain_ref_cache), or <output_dir>/ref_cache when that is not writable.",
+        description="Where the reference log-prob cache lives; default: $XDG_CACHE_HOME/posttrain/reference "
+        "(~/.cache/posttrain/reference), or <output_dir>/ref_cache when that is not writable.",
     )
     prefix_sharing: bool = Field(
         default=True,
