@@ -3,7 +3,6 @@ one-screen summary a run ends with."""
 
 from __future__ import annotations
 
-import json
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,6 +11,7 @@ from typing import Any
 import torch
 
 from posttrain import dist
+from posttrain.data.io import append_jsonl
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices fall back to train.peak_flops or the CPU guess.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -66,8 +66,7 @@ class MetricsSink:
             self.last_loss = record["loss"]
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_jsonl(str(self.path), [record])
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, int | float) and key != "step":
