@@ -153,7 +153,7 @@ def run_posttrain_child(spec: dict) -> dict:
         "data": {"train": spec["data"], "packing": True, "curriculum": "none", "shuffle": True},
         "train": {
             "batch_size": spec["batch_size"],
-            "grad_accum": 1,
+            "global_batch_size": spec["batch_size"],
             "max_length": spec["max_length"],
             "max_steps": spec["warmup_steps"] + spec["steps"],
             "lr": spec["lr"],

@@ -58,8 +58,12 @@ def barrier() -> None:
 
 
 def all_reduce_sum(value: torch.Tensor) -> torch.Tensor:
+    """Sum ``value`` over ranks, in place; the collective runs on the rank's device (NCCL needs CUDA tensors)."""
     if dist.is_initialized():
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        on_device = value.to(device())
+        dist.all_reduce(on_device, op=dist.ReduceOp.SUM)
+        if on_device is not value:
+            value.copy_(on_device)
     return value
 
 

@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import pytest
 import torch
 
+# Caches the code writes by default (the DPO reference log-probs under $XDG_CACHE_HOME) go to a
+# directory of this test session, inherited by every subprocess, never into the user's home.
+_CACHE_HOME = tempfile.mkdtemp(prefix="posttrain-test-cache-")
+os.environ["XDG_CACHE_HOME"] = _CACHE_HOME
+atexit.register(shutil.rmtree, _CACHE_HOME, True)
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")

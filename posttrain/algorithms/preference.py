@@ -255,26 +255,32 @@ def bco_pair_loss(
     a binary classifier whose logit is the implicit reward ``β·ρ``, chosen = 1, rejected = 0, with
     the reward shift ``δ`` (``bco_delta``). The paper (and TRL) keep δ as a running mean of the
     rewards ``β·ρ`` over chosen and rejected of past batches; here δ is an explicit argument so the
-    function stays pure — the trainer owns the state and updates it with ``update_running_mean``
-    (after the loss, from detached rewards). ``δ = 0`` (default) is the unshifted classifier.
+    function stays pure — ``posttrain dpo`` keeps δ as step-source state and folds in each accepted
+    step's rewards with ``fold_running_mean`` after the step, so one δ holds for a whole step (a
+    departure from TRL, which updates it per micro-batch: here accumulation and rank count do not
+    change the step). ``δ = 0`` (default) is the unshifted classifier.
     """
     pc, pr = _policy(policy_chosen_logps, policy_rejected_logps)
     rho_c, rho_r = _log_ratios("bco_pair", pc, pr, ref_chosen_logps, ref_rejected_logps)
     return -F.logsigmoid(beta * rho_c - bco_delta) - F.logsigmoid(-(beta * rho_r - bco_delta))
 
 
-def update_running_mean(mean: float, count: int, values: torch.Tensor) -> tuple[float, int]:
-    """Fold a batch of values into a running mean: returns ``(new_mean, new_count)``.
+def fold_running_mean(mean: float, count: int, total: float, n: int) -> tuple[float, int]:
+    """Fold ``n`` new values whose sum is ``total`` into a running mean: returns ``(new_mean, new_count)``.
 
-    For BCO's δ: call with ``values = β·cat(ρ_c, ρ_r).detach()`` (all ranks' values gathered, so
-    every rank keeps the same δ).
+    For BCO's δ: ``total`` = Σ β·ρ over the chosen and rejected responses of a step's pairs on all ranks,
+    ``n`` = twice the step's pair count, so every rank keeps the same δ.
     """
-    values = values.detach().float().flatten()
-    if values.numel() == 0:
+    if n <= 0:
         return mean, count
-    new_count = count + values.numel()
-    new_mean = mean + (float(values.sum()) - values.numel() * mean) / new_count
-    return new_mean, new_count
+    new_count = count + n
+    return mean + (total - n * mean) / new_count, new_count
+
+
+def update_running_mean(mean: float, count: int, values: torch.Tensor) -> tuple[float, int]:
+    """``fold_running_mean`` over a tensor of values."""
+    values = values.detach().float().flatten()
+    return fold_running_mean(mean, count, float(values.sum()), values.numel())
 
 
 # --- reference-free losses ----------------------------------------------------------------------

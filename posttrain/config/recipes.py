@@ -20,7 +20,7 @@ from posttrain.config.sections import (
 
 
 class TrainingRecipe(StrictModel):
-    """Fields every training recipe shares (SFT, DPO, reward model, GRPO)."""
+    """Fields every training recipe shares (SFT, pretrain, DPO, reward model)."""
 
     output_dir: str
     model: ModelConfig
@@ -47,18 +47,27 @@ class SFTRecipe(TrainingRecipe):
 register_recipe("sft", SFTRecipe, "posttrain.train.sft:run_sft", "Supervised fine-tuning with a curriculum.")
 
 
+class PretrainDataConfig(DataConfig):
+    """``data:`` for plain text: documents are always packed into rows."""
+
+    packing: bool = Field(default=True, description="Always on: documents are packed into train.max_length rows.")
+
+    @model_validator(mode="after")
+    def _check_text(self) -> PretrainDataConfig:
+        if not self.train:
+            raise ValueError("data.train is required: a .txt file (one document per line) or JSONL with a `text` field")
+        if not self.packing:
+            raise ValueError("pretraining always packs documents into rows; remove data.packing=false")
+        if self.curriculum != "none":
+            raise ValueError("plain text has no tiers: set data.curriculum=none for pretraining")
+        return self
+
+
 class PretrainRecipe(TrainingRecipe):
     """Causal-LM training on plain text (every token carries loss); rows are always packed."""
 
     recipe: Literal["pretrain"] = "pretrain"
-
-    @model_validator(mode="after")
-    def _check(self) -> PretrainRecipe:
-        if not self.data.train:
-            raise ValueError("data.train is required: a .txt file (one document per line) or JSONL with a `text` field")
-        if self.data.curriculum != "none":
-            raise ValueError("plain text has no tiers: set data.curriculum=none for pretraining")
-        return self
+    data: PretrainDataConfig
 
 
 register_recipe(

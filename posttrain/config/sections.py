@@ -1,4 +1,4 @@
-"""Config sections shared by the training recipes (SFT, DPO, reward model, GRPO)."""
+"""Config sections shared by the training recipes (SFT, pretrain, DPO, reward model)."""
 
 from __future__ import annotations
 
@@ -35,11 +35,18 @@ class DataConfig(StrictModel):
 
 
 class TrainConfig(StrictModel):
-    batch_size: int = Field(default=8, ge=1, description="Per rank, in examples (or packed rows).")
-    grad_accum: int = Field(default=1, ge=1)
+    global_batch_size: int | None = Field(
+        default=None, ge=1,
+        description="Units (examples, packed rows or pairs) per optimizer step over all ranks; each rank takes "
+        "global_batch_size / ranks of them in micro-batches of batch_size. Fixed across restarts, so a run "
+        "resumes on any number of ranks at the exact data position. Default: batch_size.",
+    )
+    batch_size: int = Field(
+        default=8, ge=1, description="Micro-batch: units per forward on one rank (the rest is accumulated)."
+    )
     max_length: int = Field(default=512, ge=8)
-    epochs: float | None = Field(default=1.0, gt=0)
-    max_steps: int | None = Field(default=None, ge=1, description="Overrides epochs when set.")
+    epochs: float | None = Field(default=None, gt=0, description="Passes over the data (default 1 without max_steps).")
+    max_steps: int | None = Field(default=None, ge=1, description="Optimizer steps; set this or epochs, not both.")
     lr: float = Field(default=2e-5, gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = "cosine"
     warmup_steps: int = Field(default=0, ge=0)
@@ -50,10 +57,18 @@ class TrainConfig(StrictModel):
     seed: int = 0
     save_every: int | None = Field(default=None, ge=1, description="Checkpoint every N optimizer steps.")
     keep_last: int = Field(default=2, ge=1)
+    eval_every: int | None = Field(
+        default=None, ge=1, description="Evaluate on data.eval every N steps (and always at the end)."
+    )
     precision: Literal["fp32", "bf16"] = "fp32"
     cpu_offload: bool = False
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = Field(default=2, ge=1, description="Selective checkpointing: every k-th block.")
+    recompute_mlp: bool = Field(
+        default=False,
+        description="Gated MLPs recompute act(gate)*up and the down projection in backward: two fewer "
+        "[tokens, intermediate] tensors kept per block for ~3% more compute.",
+    )
     fsdp: Literal["auto", "on", "off"] = Field(
         default="auto", description="auto: shard with FSDP2 when world size > 1."
     )
@@ -62,6 +77,18 @@ class TrainConfig(StrictModel):
         default=None, gt=0, description="Peak FLOP/s per device for MFU; default: a guess from the device."
     )
     loss_chunk_size: int = Field(default=1024, ge=1, description="Tokens per output-head chunk.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _one_epoch_by_default(cls, data):
+        if isinstance(data, dict) and "grad_accum" in data:
+            raise ValueError(
+                "train.grad_accum is derived now: set train.global_batch_size (units per optimizer step over all "
+                "ranks) and train.batch_size (the micro-batch); accumulation = global / (ranks × batch_size)"
+            )
+        if isinstance(data, dict) and "epochs" not in data and data.get("max_steps") is None:
+            data = {**data, "epochs": 1.0}  # neither given: one pass over the data
+        return data
 
     @field_validator("fsdp", mode="before")
     @classmethod
@@ -73,9 +100,18 @@ class TrainConfig(StrictModel):
     def _check(self) -> TrainConfig:
         if self.epochs is None and self.max_steps is None:
             raise ValueError("set train.epochs or train.max_steps")
+        if self.epochs is not None and self.max_steps is not None:
+            raise ValueError(
+                f"train.epochs={self.epochs:g} and train.max_steps={self.max_steps} are both set; max_steps would "
+                "silently win. Keep one (train.epochs=null to train for max_steps)"
+            )
         if self.cpu_offload and self.fsdp == "off":
             raise ValueError("train.cpu_offload needs FSDP; set train.fsdp=auto or on")
         return self
+
+    @property
+    def global_batch(self) -> int:
+        return self.global_batch_size or self.batch_size
 
 
 class HealthConfig(StrictModel):
@@ -85,6 +121,10 @@ class HealthConfig(StrictModel):
     min_history: int = Field(default=16, ge=2, description="No spike test before this many good steps.")
     max_consecutive: int = Field(default=3, ge=1, description="Bad steps in a row before rolling back.")
     max_rollbacks: int = Field(default=5, ge=0)
+    skip_steps: list[int] = Field(
+        default_factory=list,
+        description="Optimizer steps whose batches are never trained on (e.g. batches an earlier run found bad).",
+    )
 
 
 class AlertsConfig(StrictModel):
@@ -100,6 +140,9 @@ class DebugConfig(StrictModel):
     spike_factor: float = Field(default=1000.0, gt=1.0)
     crash_at_step: int | None = Field(
         default=None, ge=0, description="SIGKILL every rank after this step's update (a node-loss drill)."
+    )
+    log_unit_ids: bool = Field(
+        default=False, description="Write the ids of the units each rank trains on per step to units.jsonl."
     )
 
 

@@ -15,7 +15,9 @@ from posttrain.config.registry import register_recipe
 
 class CurateDataConfig(StrictModel):
     input: str | list[str] | None = Field(
-        default=None, description="JSONL file(s) of instruction records (messages, prompt/response, alpaca, sharegpt)."
+        default=None,
+        description="Record file(s) or saved HF dataset dir(s): .jsonl/.json/.parquet, optionally .gz. Curate reads "
+        "SFT records (messages, ShareGPT, Alpaca, prompt + completion/response); sample reads prompts of any record.",
     )
 
     def paths(self) -> list[str]:
@@ -275,7 +277,7 @@ class CurateRecipe(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> CurateRecipe:
         if not self.data.paths():
-            raise ValueError("data.input is required: a JSONL file of instruction records")
+            raise ValueError("data.input is required: a file of instruction records (.jsonl, .json, .parquet, a saved dataset)")
         if self.intent.enabled and self.intent.method == "judge" and not self.judge.enabled:
             raise ValueError("intent.method=judge needs judge.enabled=true (or use intent.method=embedding)")
         return self
@@ -302,7 +304,9 @@ class RewardModelConfig(StrictModel):
     path: str = Field(description="Sequence-classification model with one label (HF directory).")
     dtype: Literal["float32", "bfloat16"] = "float32"
     batch_size: int = Field(default=8, ge=1)
-    max_length: int = Field(default=1024, ge=8)
+    max_length: int | None = Field(
+        default=None, ge=8, description="Tokens per scored chat; default: the max_length the reward model was trained with."
+    )
 
 
 class ScorerConfig(StrictModel):
@@ -338,7 +342,7 @@ class SampleRecipe(StrictModel):
     @model_validator(mode="after")
     def _check(self) -> SampleRecipe:
         if not self.data.paths():
-            raise ValueError("data.input is required: a JSONL file of prompts")
+            raise ValueError("data.input is required: a file of prompts (.jsonl, .json, .parquet, a saved dataset)")
         return self
 
 
@@ -346,9 +350,9 @@ class SampleRecipe(StrictModel):
 class FeedbackRecipe(StrictModel):
     recipe: Literal["feedback"] = "feedback"
     output_dir: str
-    feedback: str = Field(description="JSONL of edge cases: prompt, bad_response, better_response, reason.")
-    sft: str | None = Field(default=None, description="Existing SFT set (JSONL) to merge into.")
-    preferences: str | None = Field(default=None, description="Existing preference set (JSONL) to merge into.")
+    feedback: str = Field(description="Edge cases (.jsonl/.json/.parquet): prompt, bad_response, better_response, reason.")
+    sft: str | None = Field(default=None, description="Existing SFT set (any record file) to merge into.")
+    preferences: str | None = Field(default=None, description="Existing preference set (any record file) to merge into.")
     near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
     tier: int | None = Field(default=None, ge=1, le=3, description="Tier given to new records (default: none).")
 

@@ -23,8 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from posttrain.curate.config import EmbeddingConfig, ExactDedupConfig, NearDedupConfig, SemanticDedupConfig
+from posttrain.curate.config import (
+    CurateRecipe,
+    EmbeddingConfig,
+    ExactDedupConfig,
+    NearDedupConfig,
+    SemanticDedupConfig,
+)
 from posttrain.curate.minhash import MinHasher, connected_components, near_duplicate_clusters
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 _NOT_WORD = re.compile(r"[\W_]+", re.UNICODE)
@@ -171,3 +178,18 @@ class SemanticDedupStage:
             representative = positions[labels[local]]
             decisions.drops[int(positions[local])] = Drop("semantic_duplicate", f"cluster of {ids[representative]}")
         return decisions
+
+
+@CURATION_STAGES.register("exact_dedup")
+def _exact_dedup_stage(recipe: CurateRecipe, cache_dir: str | None) -> ExactDedupStage:
+    return ExactDedupStage(recipe.exact_dedup)
+
+
+@CURATION_STAGES.register("near_dedup")
+def _near_dedup_stage(recipe: CurateRecipe, cache_dir: str | None) -> NearDedupStage:
+    return NearDedupStage(recipe.near_dedup)
+
+
+@CURATION_STAGES.register("semantic_dedup")
+def _semantic_dedup_stage(recipe: CurateRecipe, cache_dir: str | None) -> SemanticDedupStage:
+    return SemanticDedupStage(recipe.semantic_dedup, recipe.embedding)

@@ -23,7 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
-from posttrain.curate.config import DifficultyConfig, IFDConfig
+from posttrain.curate.config import CurateRecipe, DifficultyConfig, IFDConfig
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 _STEP_LINE = re.compile(r"^\s*(?:\d+[.)]|[-*•]|step \d+)", re.I | re.M)
@@ -162,3 +163,8 @@ class DifficultyStage:
             drop = limit is not None and ifd_value is not None and ifd_value > limit
             results.append(Drop("ifd_too_high", f"IFD {ifd_value:.3f} > {limit}") if drop else None)
         return results
+
+
+@CURATION_STAGES.register("difficulty")
+def _difficulty_stage(recipe: CurateRecipe, cache_dir: str | None) -> DifficultyStage:
+    return DifficultyStage(recipe.difficulty)

@@ -18,9 +18,8 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from posttrain.curate.config import ExecutorConfig
+from posttrain.progress import progress as progress_bar
 
 
 def run_tasks(
@@ -35,14 +34,14 @@ def run_tasks(
     if not tasks:
         return []
     if inline or config.workers == 0:
-        return [fn(task) for task in tqdm(tasks, desc=desc, unit="shard", disable=not progress)]
+        return [fn(task) for task in progress_bar(tasks, desc=desc, unit="shard", disable=not progress)]
     if config.kind == "ray":
         return _run_ray(fn, tasks, config, desc, progress)
     results: list[Any] = [None] * len(tasks)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(config.workers, len(tasks)), mp_context=context) as pool:
         futures = {pool.submit(fn, task): position for position, task in enumerate(tasks)}
-        with tqdm(total=len(tasks), desc=desc, unit="shard", disable=not progress) as bar:
+        with progress_bar(total=len(tasks), desc=desc, unit="shard", disable=not progress) as bar:
             for future in as_completed(futures):
                 results[futures[future]] = future.result()
                 bar.update(1)

@@ -5,7 +5,11 @@ a string or a chat; an ``id`` is kept when given). Each becomes an SFT example (
 response) and a preference pair (chosen = better, rejected = bad, rationale = reason, kept
 verbatim). New records are deduplicated against the existing sets and each other, exactly
 (normalised text) and near-exactly (MinHash LSH, ``near_dedup`` settings), and appended after the
-existing records, which are copied unchanged. The manifest lists all three inputs as parents.
+existing records, which are copied record for record. The manifest lists all three inputs as parents.
+
+Every input is read through ``posttrain.data.io`` (JSONL, JSON, Parquet, saved datasets, ``.gz``):
+feedback lines that cannot be used are dropped with a named reason; the existing sets must be valid
+training data of their kind, and a bad record in them stops the merge naming file, line and field.
 """
 
 from __future__ import annotations
@@ -22,63 +26,64 @@ from posttrain.curate.config import FeedbackRecipe, NearDedupConfig
 from posttrain.curate.dedup import exact_hashes
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
 from posttrain.curate.minhash import MinHasher, near_duplicate_clusters
-from posttrain.curate.rows import Drop, RecordShapeError, as_messages, load_json_object, record_to_chat
-from posttrain.data.records import PreferencePair, SFTExample, stable_id
+from posttrain.curate.rows import Drop, drop_for
+from posttrain.data.errors import DataError
+from posttrain.data.formats import BLANK_LINE, FormatError, convert, parse_prompt
+from posttrain.data.io import BadLine, iter_raw_records, write_jsonl
+from posttrain.data.records import PreferencePair, Record, SFTExample, stable_id
+
+_KIND = {"sft": "sft", "preferences": "preference"}
 
 
-def _text(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    if isinstance(value, list):
-        return "\n".join(str(m.get("content", "")) for m in value if isinstance(m, dict))
-    return ""
+def _record_text(record: Record) -> str:
+    """The text an existing record is deduplicated on: every message of the chat, or of prompt, chosen, rejected."""
+    if isinstance(record, PreferencePair):
+        parts = (record.prompt, record.chosen, record.rejected)
+        return "\n".join("\n".join(m.content for m in part) for part in parts)
+    return "\n".join(m.content for m in record.messages)  # type: ignore[union-attr]
 
 
-def existing_texts(path: str | None, kind: str) -> tuple[list[str], list[str]]:
-    """``(lines, texts)`` of an existing set: every line verbatim, and the text used for dedup
-    (empty for a line that cannot be read, which is still copied through)."""
+def existing_texts(path: str | None, target: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """``(records, texts)`` of an existing set (``target`` ``sft`` or ``preferences``): every record as
+    it was read, and the text used for dedup. The set must be valid training data: a bad record stops
+    the merge with ``DataError`` naming file, line and field, rather than being carried into the next round."""
     if path is None:
         return [], []
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{path}: existing {kind} set not found")
-    lines, texts = [], []
-    with open(path, encoding="utf-8", errors="surrogateescape") as handle:
-        for line in handle:
-            line = line.rstrip("\n")
-            if not line.strip():
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{path}: existing {target} set not found")
+    records, texts = [], []
+    for line, item in iter_raw_records(path):
+        if isinstance(item, BadLine):
+            if item.category == BLANK_LINE:
                 continue
-            lines.append(line)
-            try:
-                record = json.loads(line)
-                if kind == "sft":
-                    messages, _ = record_to_chat(record)
-                    texts.append("\n".join(m["content"] for m in messages))
-                else:
-                    parts = (record.get("prompt"), record.get("chosen"), record.get("rejected"))
-                    texts.append("\n".join(_text(p) for p in parts))
-            except (json.JSONDecodeError, RecordShapeError, AttributeError):
-                texts.append("")
-    return lines, texts
+            raise DataError(path, line, None, item.reason)
+        try:
+            record, _ = convert(item, kind=_KIND[target])
+        except FormatError as exc:
+            raise DataError(path, line, exc.field, exc.reason) from None
+        records.append(item)
+        texts.append(_record_text(record))
+    return records, texts
 
 
-def parse_feedback(raw: bytes) -> dict[str, Any] | Drop:
-    record = load_json_object(raw)
-    if isinstance(record, Drop):
-        return record
-    missing = [k for k in ("prompt", "bad_response", "better_response") if k not in record]
+def parse_feedback(item: dict[str, Any] | BadLine) -> dict[str, Any] | Drop:
+    """One decoded feedback line → ``{"id", "prompt", "bad", "better", "reason"}``, or a named ``Drop``."""
+    if isinstance(item, BadLine):
+        return drop_for(item)
+    missing = [k for k in ("prompt", "bad_response", "better_response") if k not in item]
     if missing:
         return Drop("missing_field", f"missing {', '.join(missing)}")
     try:
-        prompt = as_messages(record["prompt"], "prompt", allow_string=True)
-    except RecordShapeError as exc:
-        return Drop(exc.reason, str(exc))
-    bad, better = record["bad_response"], record["better_response"]
+        prompt = parse_prompt(item["prompt"], "prompt")
+    except FormatError as exc:
+        return drop_for(exc)
+    bad, better = item["bad_response"], item["better_response"]
     if not isinstance(bad, str) or not isinstance(better, str) or not better.strip() or not bad.strip():
         return Drop("bad_field", "bad_response and better_response must be non-empty strings")
     if " ".join(bad.split()) == " ".join(better.split()):
         return Drop("identical_responses", "the better response is the bad one")
-    return {"id": record.get("id"), "prompt": prompt, "bad": bad, "better": better,
-            "reason": str(record.get("reason") or "")}  # fmt: skip
+    return {"id": item.get("id"), "prompt": [m.model_dump() for m in prompt], "bad": bad, "better": better,
+            "reason": str(item.get("reason") or "")}  # fmt: skip
 
 
 def duplicates_of_earlier(texts: list[str], config: NearDedupConfig) -> dict[int, str]:
@@ -105,35 +110,33 @@ def duplicates_of_earlier(texts: list[str], config: NearDedupConfig) -> dict[int
 def ingest_feedback(config: FeedbackRecipe) -> dict:
     output = Path(config.output_dir)
     output.mkdir(parents=True, exist_ok=True)
-    if not Path(config.feedback).is_file():
+    if not Path(config.feedback).exists():
         raise FileNotFoundError(f"{config.feedback}: feedback file not found")
     records: list[tuple[int, dict[str, Any]]] = []
     dropped: list[dict[str, Any]] = []
     parse_reasons: Counter = Counter()
-    with open(config.feedback, "rb") as handle:
-        lines = handle.read().split(b"\n")
-    if lines and lines[-1] == b"":
-        lines.pop()
-    for number, raw in enumerate(lines, start=1):
-        parsed = parse_feedback(raw) if raw.strip() else Drop("blank_line")
+    total = 0
+    for number, item in iter_raw_records(config.feedback):
+        total += 1
+        parsed = parse_feedback(item)
         if isinstance(parsed, Drop):
             parse_reasons[parsed.reason] += 1
             dropped.append({"line": number, "target": "both", "stage": "parse", "reason": parsed.reason,
-                            "detail": parsed.detail, "record": raw.decode("utf-8", "backslashreplace")})  # fmt: skip
+                            "detail": parsed.detail, "record": item.raw if isinstance(item, BadLine) else item})
         else:
             records.append((number, parsed))
-    summary: dict[str, Any] = {"input": len(lines)}
+    summary: dict[str, Any] = {"input": total}
     outputs: dict[str, Path] = {}
     for target in ("sft", "preferences"):
         funnel = Funnel(["parse", "dedup"])
-        funnel.input = len(lines)
-        funnel.add("parse", len(lines), len(records), parse_reasons)
+        funnel.input = total
+        funnel.add("parse", total, len(records), parse_reasons)
         existing_path = config.sft if target == "sft" else config.preferences
-        old_lines, old_texts = existing_texts(existing_path, target)
+        old_records, old_texts = existing_texts(existing_path, target)
         new = [_build(target, number, record, config) for number, record in records]
         new_texts = [_dedup_text(target, record) for _, record in records]
         duplicates = duplicates_of_earlier(old_texts + new_texts, config.near_dedup)
-        added: list[str] = []
+        added: list[dict[str, Any]] = []
         reasons: Counter = Counter()
         for position, ((number, record), built) in enumerate(zip(records, new, strict=True)):
             duplicate = duplicates.get(len(old_texts) + position)
@@ -143,16 +146,15 @@ def ingest_feedback(config: FeedbackRecipe) -> dict:
                 dropped.append({"line": number, "target": target, "stage": "dedup", "reason": drop.reason,
                                 "detail": drop.detail, "record": record})  # fmt: skip
             else:
-                added.append(json.dumps(built, ensure_ascii=False))
+                added.append(built)
         funnel.add("dedup", len(records), len(added), reasons)
         funnel.check(len(added))
-        summary[target] = {**funnel.to_dict(len(added)), "existing": len(old_lines), "total": len(old_lines) + len(added)}
+        summary[target] = {**funnel.to_dict(len(added)), "existing": len(old_records), "total": len(old_records) + len(added)}
         outputs[target] = output / f"{target}.jsonl"
-        outputs[target].write_text("".join(line + "\n" for line in old_lines + added), encoding="utf-8",
-                                   errors="surrogateescape")  # fmt: skip
+        write_jsonl(str(outputs[target]), [*old_records, *added])
     dropped.sort(key=lambda record: (record["line"], record["target"]))
     outputs["dropped"] = output / "dropped.jsonl"
-    outputs["dropped"].write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in dropped), "utf-8")
+    write_jsonl(str(outputs["dropped"]), dropped)
     (output / "funnel.json").write_text(json.dumps(summary, indent=2) + "\n", encoding="utf-8")
     parents = [p for p in (config.feedback, config.sft, config.preferences) if p]
     return write_manifest(output, "feedback", outputs, parents, config, summary, exclude={"output_dir"})

@@ -22,7 +22,8 @@ import re
 from collections import Counter
 from collections.abc import Callable
 
-from posttrain.curate.config import FiltersConfig
+from posttrain.curate.config import CurateRecipe, FiltersConfig
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 FilterRule = Callable[[Row, FiltersConfig], Drop | None]
@@ -214,3 +215,8 @@ class FilterStage:
                     break
             results.append(verdict)
         return results
+
+
+@CURATION_STAGES.register("filters")
+def _filters_stage(recipe: CurateRecipe, cache_dir: str | None) -> FilterStage:
+    return FilterStage(recipe.filters)

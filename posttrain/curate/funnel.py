@@ -109,6 +109,12 @@ def format_funnel(funnel: dict[str, Any]) -> str:
 
 # -- hashing and manifests -----------------------------------------------------------------
 def file_sha256(path: str | Path) -> str:
+    """sha256 of a file's bytes; of a directory (a saved HF dataset), of its files' relative names and hashes."""
+    path = Path(path)
+    if path.is_dir():
+        listing = [f"{file.relative_to(path).as_posix()}\t{file_sha256(file)}"
+                   for file in sorted(path.rglob("*")) if file.is_file()]  # fmt: skip
+        return hashlib.sha256("\n".join(listing).encode("utf-8")).hexdigest()
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

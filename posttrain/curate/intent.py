@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from posttrain.curate.config import EmbeddingConfig, IntentConfig
+from posttrain.curate.config import CurateRecipe, EmbeddingConfig, IntentConfig
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 OTHER = "other"
@@ -68,3 +69,8 @@ class IntentStage:
                 row.scores["intent_similarity"] = sim
             results.append(Drop("intent_excluded", label) if label in self.config.drop_labels else None)
         return results
+
+
+@CURATION_STAGES.register("intent")
+def _intent_stage(recipe: CurateRecipe, cache_dir: str | None) -> IntentStage:
+    return IntentStage(recipe.intent, recipe.embedding)

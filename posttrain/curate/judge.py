@@ -23,9 +23,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from posttrain.curate.config import JudgeConfig
+from posttrain.curate.config import CurateRecipe, JudgeConfig
 from posttrain.curate.filters import top_ngram_char_fraction, words
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
+from posttrain.data.io import append_jsonl, iter_raw_records
 
 UNPARSEABLE = "judge_unparseable"
 
@@ -213,13 +215,12 @@ class JudgeCache:
         self.path = Path(path) if path else None
         self.entries: dict[str, Judgement] = {}
         if self.path and self.path.exists():
-            for line in self.path.read_text(encoding="utf-8").split("\n"):
+            for _, data in iter_raw_records(str(self.path)):
                 try:
-                    data = json.loads(line)
-                    key = data.pop("key")
-                    self.entries[key] = Judgement(**data)
-                except (json.JSONDecodeError, TypeError, KeyError):
-                    continue  # a torn last line from an interrupted run: recompute that record
+                    key = data.pop("key")  # type: ignore[union-attr]
+                    self.entries[key] = Judgement(**data)  # type: ignore[arg-type]
+                except (AttributeError, TypeError, KeyError):
+                    continue  # a BadLine (a torn last line from an interrupted run) or an old entry: recompute it
 
     @staticmethod
     def key(fingerprint: str, prompt: str, response: str) -> str:
@@ -229,10 +230,7 @@ class JudgeCache:
     def add(self, new: dict[str, Judgement]) -> None:
         self.entries.update(new)
         if self.path and new:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            lines = "".join(json.dumps({"key": k, **asdict(v)}, ensure_ascii=False) + "\n" for k, v in new.items())
-            with open(self.path, "a", encoding="utf-8") as handle:
-                handle.write(lines)
+            append_jsonl(str(self.path), [{"key": k, **asdict(v)} for k, v in new.items()])
 
 
 class JudgeStage:
@@ -267,3 +265,9 @@ class JudgeStage:
             else:
                 results.append(None)
         return results
+
+
+@CURATION_STAGES.register("judge")
+def _judge_stage(recipe: CurateRecipe, cache_dir: str | None) -> JudgeStage:
+    cache = Path(cache_dir, "judge.jsonl") if cache_dir else None
+    return JudgeStage(recipe.judge, list(recipe.intent.labels), cache)

@@ -11,7 +11,8 @@ from __future__ import annotations
 import re
 import unicodedata
 
-from posttrain.curate.config import NormalizeConfig
+from posttrain.curate.config import CurateRecipe, NormalizeConfig
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 # Cc (control) and Cf (format: zero-width spaces, BOM, bidi marks) characters other than \n and \t.
@@ -56,3 +57,8 @@ class NormalizeStage:
                 total += removed
             row.raw_control_chars = total
         return [None] * len(rows)
+
+
+@CURATION_STAGES.register("normalize")
+def _normalize_stage(recipe: CurateRecipe, cache_dir: str | None) -> NormalizeStage:
+    return NormalizeStage(recipe.normalize)

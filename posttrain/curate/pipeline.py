@@ -1,4 +1,7 @@
-"""``posttrain curate``: run the curation stages over sharded JSONL input and write a versioned dataset.
+"""``posttrain curate``: run the curation stages over sharded input and write a versioned dataset.
+
+Input is any record source ``posttrain.data.io`` reads (JSONL, JSON lines or array, Parquet, a saved
+HF dataset; ``.gz`` too), holding SFT records in any format ``posttrain.data.formats`` knows.
 
 Outputs in ``output_dir``: ``kept.jsonl`` (SFT records with their ids, scores, intent and tier),
 ``dropped.jsonl`` (every removed record with its stage and reason), ``funnel.json`` and
@@ -10,8 +13,10 @@ from __future__ import annotations
 import json
 import shutil
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
+import fsspec
 import numpy as np
 
 from posttrain.curate.config import CurateRecipe
@@ -30,31 +35,64 @@ from posttrain.curate.stages import (
     plan_segments,
     run_shard,
 )
+from posttrain.data.io import is_plain_jsonl, iter_jsonl, to_plain_jsonl, write_jsonl
 
 # Keys that do not change the curated data: left out of the config hash.
 _NOT_IN_CONFIG_HASH = {"output_dir", "executor", "progress", "data"}
 
 
-def plan_shards(paths: list[str], shard_size: int) -> tuple[list[ShardSource], int]:
-    """Cut the input files into shards of ``shard_size`` lines by byte offset (one streaming pass)."""
+def _line_sizes(path: str) -> Iterator[tuple[int, int]]:
+    """``(line number, bytes)`` of each line of a plain local JSONL file: one streaming pass, no decoding."""
+    with open(path, "rb") as handle:
+        for number, line in enumerate(handle, start=1):
+            yield number, len(line)
+
+
+def _cut(read_path: str, origin: str, sizes: Iterator[tuple[int, int]], shard_size: int,
+         first_index: int) -> list[ShardSource]:  # fmt: skip
+    """Shards of ``shard_size`` lines of ``read_path``; ``sizes`` gives each line's number in ``origin`` and length."""
+    shards: list[ShardSource] = []
+    start = offset = 0
+    numbers: list[int] = []
+    for line_number, size in sizes:
+        numbers.append(line_number)
+        offset += size
+        if len(numbers) == shard_size:
+            shards.append(_shard(read_path, origin, start, offset, numbers, first_index))
+            first_index += len(numbers)
+            start, numbers = offset, []
+    if numbers:
+        shards.append(_shard(read_path, origin, start, offset, numbers, first_index))
+    return shards
+
+
+def _shard(read_path: str, origin: str, start: int, end: int, numbers: list[int], first_index: int) -> ShardSource:
+    consecutive = numbers[-1] - numbers[0] == len(numbers) - 1
+    return ShardSource(read_path, start, end, numbers[0], first_index, origin=origin, count=len(numbers),
+                       line_numbers=None if consecutive else list(numbers))  # fmt: skip
+
+
+def plan_shards(paths: list[str], shard_size: int, work_dir: str | Path) -> tuple[list[ShardSource], int]:
+    """Cut the inputs into shards of ``shard_size`` lines by byte offset.
+
+    A plain local JSONL file is cut where it is. Any other record source (``.gz``, ``.json`` arrays,
+    Parquet, a saved HF dataset, a remote URL) is first copied to plain JSON lines in ``work_dir`` by
+    ``posttrain.data.io.to_plain_jsonl``, which keeps each line's number in the original.
+    """
     shards: list[ShardSource] = []
     index = 0
-    for path in paths:
-        if not Path(path).is_file():
+    for number, path in enumerate(paths):
+        fs, local = fsspec.core.url_to_fs(path)
+        if not fs.exists(local):
             raise FileNotFoundError(f"{path}: input file not found (data.input)")
-        with open(path, "rb") as handle:
-            start = offset = 0
-            first_line, count = 1, 0
-            for line_number, line in enumerate(handle, start=1):
-                offset += len(line)
-                count += 1
-                if count == shard_size:
-                    shards.append(ShardSource(path, start, offset, first_line, index))
-                    index += count
-                    start, first_line, count = offset, line_number + 1, 0
-            if count:
-                shards.append(ShardSource(path, start, offset, first_line, index))
-                index += count
+        if is_plain_jsonl(path):
+            read_path, sizes = path, _line_sizes(path)
+        else:
+            read_path = str(Path(work_dir) / f"input-{number:03d}.jsonl")
+            sizes = to_plain_jsonl(path, read_path)
+        cut = _cut(read_path, path, sizes, shard_size, index)
+        shards += cut
+        index += sum(shard.count for shard in cut)
     return shards, index
 
 
@@ -92,14 +130,7 @@ def _decide(
 
 
 def _concatenate(parts: list[str], target: Path) -> int:
-    lines = 0
-    with open(target, "wb") as out:
-        for part in parts:
-            with open(part, "rb") as handle:
-                for line in handle:
-                    out.write(line)
-                    lines += 1
-    return lines
+    return write_jsonl(str(target), (record for part in parts for _, record in iter_jsonl(part)))
 
 
 def curate(config: CurateRecipe) -> dict:
@@ -110,7 +141,7 @@ def curate(config: CurateRecipe) -> dict:
         shutil.rmtree(work)
     work.mkdir(parents=True)
     cache_dir = str(output / "cache")
-    sources, total = plan_shards(config.data.paths(), config.executor.shard_size)
+    sources, total = plan_shards(config.data.paths(), config.executor.shard_size, work)
     stages = enabled_stages(config)
     funnel = Funnel([PARSE, *stages])
     funnel.input = total

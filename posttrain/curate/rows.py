@@ -1,24 +1,26 @@
-"""The internal row every curation stage works on, and the conversion from raw JSONL lines.
+"""The internal row every curation stage works on, and the conversion from raw input lines.
 
 A row is a chat (``messages``) plus its id, where it came from (file and line), the scores the
 stages attach, and the labels they assign. Stages read two flat views of it: ``prompt`` (every
 turn before the last assistant reply) and ``response`` (the last assistant reply).
 
-Raw lines never crash the reader: invalid UTF-8, malformed JSON and records of an unknown shape
-become ``Drop`` results with a named reason, so the funnel can account for them.
+Input goes through the data layer, so curation accepts exactly what SFT training accepts:
+``posttrain.data.io.parse_json_line`` decodes a line and ``posttrain.data.formats.convert`` makes
+an ``SFTExample`` of it (messages, ShareGPT, Alpaca, prompt + completion/response). Raw lines never
+crash the reader: a line that cannot be used becomes a ``Drop`` whose reason is the funnel name of
+the data layer's category (``FUNNEL_REASONS``: ``invalid_utf8``, ``malformed_json``,
+``unknown_format``, ``bad_field``, ``empty_response``, ``missing_response``, …), with the data
+layer's message (field and reason) as its detail.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from posttrain.data.records import stable_id
-
-ROLES = ("system", "user", "assistant", "tool")
-_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system"}
-_RESPONSE_KEYS = ("response", "completion", "output", "answer_text")
+from posttrain.data import formats
+from posttrain.data.formats import FormatError, convert
+from posttrain.data.io import BadLine, parse_json_line
 
 
 @dataclass
@@ -29,11 +31,45 @@ class Drop:
     detail: str = ""
 
 
+# The data layer's categories (``posttrain.data.formats.CATEGORIES``) → snake_case funnel reasons.
+FUNNEL_REASONS = {
+    formats.BLANK_LINE: "blank_line",
+    formats.INVALID_UTF8: "invalid_utf8",
+    formats.MALFORMED_JSON: "malformed_json",
+    formats.NOT_AN_OBJECT: "unknown_format",
+    formats.UNKNOWN_FORMAT: "unknown_format",
+    formats.MISSING_FIELD: "bad_field",
+    formats.WRONG_TYPE: "bad_field",
+    formats.INVALID_VALUE: "bad_field",
+    formats.EMPTY_MESSAGE: "empty_message",
+    formats.EMPTY_PROMPT: "empty_prompt",
+    formats.EMPTY_RESPONSE: "empty_response",
+    formats.IDENTICAL_PAIR: "identical_pair",
+    formats.NO_ASSISTANT: "missing_response",
+    formats.WRONG_KIND: "wrong_kind",
+}
+
+
+def funnel_reason(category: str, found_kind: str | None = None) -> str:
+    """The funnel reason of a data-layer category. An RL prompt (a prompt with nothing to learn from)
+    where an SFT record is needed is ``missing_response``, as a chat without an assistant turn is."""
+    if category == formats.WRONG_KIND and found_kind == "rl":
+        return "missing_response"
+    return FUNNEL_REASONS[category]
+
+
+def drop_for(problem: FormatError | BadLine) -> Drop:
+    """The named ``Drop`` for a line the data layer could not decode or convert."""
+    if isinstance(problem, BadLine):
+        return Drop(funnel_reason(problem.category), problem.reason)
+    return Drop(funnel_reason(problem.category, problem.found_kind), str(problem)[:500])
+
+
 @dataclass
 class Row:
     index: int  # position in the whole input (all files), 0-based; fixes the output order
     source: str
-    line: int  # 1-based line in ``source``
+    line: int  # 1-based line in ``source`` (row for Parquet files and saved datasets)
     id: str
     messages: list[dict[str, str]]
     meta: dict[str, Any] = field(default_factory=dict)
@@ -89,6 +125,14 @@ class Row:
             "record": {"messages": self.messages, "meta": self.meta},
         }
 
+    def to_dict(self) -> dict[str, Any]:
+        """Everything a later segment needs, as JSON (``Row.from_dict`` reads it back)."""
+        return dict(self.__dict__)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Row:
+        return cls(**data)
+
 
 def _last_assistant(messages: list[dict[str, str]]) -> int:
     for position in range(len(messages) - 1, -1, -1):
@@ -97,125 +141,25 @@ def _last_assistant(messages: list[dict[str, str]]) -> int:
     return -1
 
 
-class RecordShapeError(ValueError):
-    """A JSON object that is not an instruction record; ``reason`` names the problem for the funnel."""
-
-    def __init__(self, reason: str, detail: str):
-        self.reason = reason
-        super().__init__(detail)
-
-
-def as_messages(value: Any, where: str, allow_string: bool = False) -> list[dict[str, str]]:
-    if isinstance(value, str) and allow_string:
-        return [{"role": "user", "content": value}]
-    if not isinstance(value, list) or not value:
-        expected = "a string or a non-empty list of messages" if allow_string else "a non-empty list of messages"
-        raise RecordShapeError("bad_field", f"`{where}` must be {expected}")
-    messages = []
-    for position, message in enumerate(value):
-        if not isinstance(message, dict):
-            raise RecordShapeError("bad_field", f"`{where}[{position}]` is not an object")
-        role = message.get("role", _SHAREGPT_ROLES.get(str(message.get("from", "")).lower()))
-        content = message.get("content", message.get("value"))
-        if role not in ROLES:
-            raise RecordShapeError("bad_field", f"`{where}[{position}].role` is {role!r}; expected one of {ROLES}")
-        if not isinstance(content, str):
-            raise RecordShapeError("bad_field", f"`{where}[{position}].content` is not a string")
-        messages.append({"role": role, "content": content})
-    return messages
-
-
-def record_to_chat(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
-    """Convert one JSON record to ``(messages, meta)``; raise ``RecordShapeError`` for other shapes.
-
-    Accepted shapes: ``{"messages": [...]}`` (SFT), ``{"prompt": str | messages, "response": str}``
-    (also ``completion``/``output``), Alpaca ``{"instruction", "input", "output"}`` and ShareGPT
-    ``{"conversations": [{"from", "value"}]}``.
-    """
-    if not isinstance(record, dict):
-        raise RecordShapeError("unknown_format", f"expected a JSON object, got {type(record).__name__}")
-    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
-    if "messages" in record:
-        return as_messages(record["messages"], "messages"), meta
-    if "conversations" in record:
-        return as_messages(record["conversations"], "conversations"), meta
-    if "instruction" in record:
-        instruction, extra = record.get("instruction"), record.get("input") or ""
-        output = record.get("output")
-        if not isinstance(instruction, str) or not isinstance(extra, str) or not isinstance(output, str):
-            raise RecordShapeError("bad_field", "alpaca `instruction`, `input` and `output` must be strings")
-        prompt = f"{instruction}\n\n{extra}" if extra else instruction
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": output}], meta
-    if "prompt" in record:
-        messages = as_messages(record["prompt"], "prompt", allow_string=True)
-        for key in _RESPONSE_KEYS:
-            if key in record:
-                if not isinstance(record[key], str):
-                    raise RecordShapeError("bad_field", f"`{key}` must be a string")
-                return [*messages, {"role": "assistant", "content": record[key]}], meta
-        raise RecordShapeError("missing_response", "record has a prompt but no response/completion/output")
-    keys = ", ".join(sorted(map(str, record))[:8])
-    raise RecordShapeError(
-        "unknown_format", f"no messages, conversations, instruction or prompt key (keys: {keys or 'none'})"
-    )
-
-
-def load_json_object(raw: bytes) -> dict[str, Any] | Drop:
-    """One JSONL line → its object, or the named ``Drop`` every curation input counts in its funnel."""
+def row_from_record(raw: dict[str, Any], index: int, source: str, line: int) -> Row | Drop:
+    """A decoded JSON object → a ``Row`` (an SFT record in any format the data layer reads), or a ``Drop``."""
     try:
-        record = json.loads(raw.decode("utf-8"))
-    except UnicodeDecodeError:
-        return Drop("invalid_utf8")
-    except (json.JSONDecodeError, RecursionError) as exc:
-        return Drop("malformed_json", str(exc)[:200])
-    if not isinstance(record, dict):
-        return Drop("unknown_format", "expected a JSON object")
-    return record
+        record, _ = convert(raw, kind="sft")
+    except FormatError as exc:
+        return drop_for(exc)
+    return Row(index=index, source=source, line=line, id=record.id, messages=[m.model_dump() for m in record.messages],
+               meta=record.meta, tier=record.tier, difficulty=record.difficulty)  # fmt: skip
 
 
 def parse_line(raw: bytes, index: int, source: str, line: int) -> Row | tuple[Drop, str]:
     """A raw JSONL line → a ``Row``, or ``(Drop, text)`` where ``text`` is the line for the dropped file."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        shown = raw.decode("utf-8", "backslashreplace")
-        return Drop("invalid_utf8", f"byte {exc.start}: {exc.reason}"), shown
-    try:
-        record = json.loads(text)
-    except (json.JSONDecodeError, RecursionError) as exc:
-        return Drop("malformed_json", str(exc)[:200]), text
-    # Valid UTF-8 cannot hold a lone surrogate, but a JSON escape (\ud800) can; it could not be written back.
-    if "\\ud" in text.lower() and not _encodable(record):
-        return Drop("invalid_utf8", "lone surrogate in a \\u escape"), text
-    try:
-        messages, meta = record_to_chat(record)
-    except RecordShapeError as exc:
-        return Drop(exc.reason, str(exc)), text
-    given = record.get("id")
-    row_id = str(given) if isinstance(given, str | int) and str(given) else stable_id(messages, "rec-")
-    row = Row(index=index, source=source, line=line, id=row_id, messages=messages, meta=meta)
-    tier = record.get("tier")
-    if isinstance(tier, int) and 1 <= tier <= 3:
-        row.tier = tier
-    return row
-
-
-def _encodable(record: Any) -> bool:
-    try:
-        json.dumps(record, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
+    item = parse_json_line(raw)
+    if isinstance(item, BadLine):
+        return drop_for(item), item.raw
+    parsed = row_from_record(item, index, source, line)
+    return (parsed, raw.decode("utf-8").rstrip("\r\n")) if isinstance(parsed, Drop) else parsed
 
 
 def unparsed_dropped_record(source: str, line: int, stage: str, drop: Drop, text: str) -> dict[str, Any]:
     return {"id": None, "source": source, "line": line, "stage": stage, "reason": drop.reason,
             "detail": drop.detail, "scores": {}, "record": text}  # fmt: skip
-
-
-def row_to_json(row: Row) -> str:
-    return json.dumps(row.__dict__, ensure_ascii=False, separators=(",", ":"))
-
-
-def row_from_json(text: str) -> Row:
-    return Row(**json.loads(text))

@@ -1,8 +1,10 @@
 """``posttrain sample``: rejection sampling (best-of-n) for the next round's SFT and preference data.
 
-For each prompt the policy draws ``n`` candidates; a scorer rates them (``scorer.kind: auto`` picks
-the prompt's verifier when it has an answer key, else the reward model when one is configured,
-else the judge). The best candidate becomes an SFT target when it reaches ``min_score``; when the
+Prompts are read through ``posttrain.data`` from any record source (JSONL, JSON, Parquet, saved
+datasets, ``.gz``) and any record format (``formats.to_prompt``); a line that gives no prompt is
+dropped at ``parse`` with the funnel reason of ``posttrain.curate.rows``. For each prompt the policy
+draws ``n`` candidates; a scorer rates them (``scorer.kind: auto`` picks the prompt's verifier when
+it has an answer key, else the reward model when one is configured, else the judge). The best candidate becomes an SFT target when it reaches ``min_score``; when the
 best and worst differ by more than ``pair_margin``, they become a preference pair (chosen = best,
 rejected = worst) with both scores and a rationale naming the scorer. Ties go to the earliest
 candidate for "best" and the latest for "worst", so the choice is deterministic.
@@ -15,49 +17,48 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from posttrain.curate.config import SampleRecipe
 from posttrain.curate.funnel import Funnel, format_funnel, write_manifest
-from posttrain.curate.rows import Drop, RecordShapeError, as_messages, load_json_object
+from posttrain.curate.rows import Drop, drop_for
 from posttrain.curate.scorers import JudgeScorer, PromptRecord, RewardModelScorer, Scorer, VerifierScorer
+from posttrain.data.formats import FormatError, to_prompt
+from posttrain.data.io import BadLine, iter_raw_records, jsonl_writer
 from posttrain.data.records import stable_id
+from posttrain.progress import progress
 
 CHUNK_PROMPTS = 256  # prompts generated and scored per step; bounds memory for big prompt files
 
 
-def parse_prompt(raw: bytes, line: int) -> PromptRecord | Drop:
-    """A JSONL line → a prompt with its answer key (top level or in ``meta``), or a named ``Drop``."""
-    record = load_json_object(raw)
-    if isinstance(record, Drop):
-        return record
-    meta = record.get("meta") if isinstance(record.get("meta"), dict) else {}
+def parse_prompt(item: dict[str, Any] | BadLine, line: int) -> PromptRecord | Drop:
+    """One decoded input line → a prompt with its answer key, or a named ``Drop``.
+
+    Any record the data layer reads gives its prompt (``posttrain.data.formats.to_prompt``: an RL
+    prompt as it is, a chat without its last assistant reply, a pair's prompt). The answer key is the
+    RL record's own ``answer`` / ``verifier`` / ``tests``, else the same names in ``meta`` (where the
+    data layer also puts top-level keys a format does not know).
+    """
+    if isinstance(item, BadLine):
+        return drop_for(item)
     try:
-        if "messages" in record:
-            messages = as_messages(record["messages"], "messages")
-            while messages and messages[-1]["role"] == "assistant":
-                messages = messages[:-1]
-        elif "prompt" in record:
-            messages = as_messages(record["prompt"], "prompt", allow_string=True)
-        else:
-            return Drop("no_prompt", "record has no prompt or messages")
-    except RecordShapeError as exc:
-        return Drop(exc.reason, str(exc))
-    if not messages or not any(m["content"].strip() for m in messages):
-        return Drop("no_prompt", "empty prompt")
+        record, _ = to_prompt(item)
+    except FormatError as exc:
+        return drop_for(exc)
+    meta = record.meta
 
     def key(name: str) -> Any:
-        return record.get(name, meta.get(name))
+        value = getattr(record, name, None)
+        return value if value is not None else meta.get(name)
 
-    options = record.get("options") or meta.get("verifier_options") or meta.get("options") or {}
+    options = meta.get("options") or meta.get("verifier_options") or {}
     answer = key("answer")
-    tier = key("tier")
+    tier = record.tier if record.tier is not None else meta.get("tier")
     return PromptRecord(
-        id=str(record.get("id") or stable_id(messages, "prompt-")),
-        messages=messages,
+        id=record.id,
+        messages=[m.model_dump() for m in record.prompt],
         verifier=key("verifier"),
         answer=None if answer is None else str(answer),
         tests=key("tests"),
@@ -138,20 +139,17 @@ def _read_prompts(paths: list[str], funnel: Funnel, dropped) -> list[PromptRecor
     reasons: Counter = Counter()
     total = 0
     for path in paths:
-        if not Path(path).is_file():
+        if not Path(path).exists():
             raise FileNotFoundError(f"{path}: prompt file not found (data.input)")
-        with open(path, "rb") as handle:
-            for number, raw in enumerate(handle, start=1):
-                total += 1
-                raw = raw.rstrip(b"\r\n")
-                parsed = parse_prompt(raw, number) if raw.strip() else Drop("blank_line")
-                if isinstance(parsed, Drop):
-                    reasons[parsed.reason] += 1
-                    text = raw.decode("utf-8", "backslashreplace")
-                    dropped.write(json.dumps({"source": path, "line": number, "stage": "parse", "reason": parsed.reason,
-                                              "detail": parsed.detail, "record": text}, ensure_ascii=False) + "\n")  # fmt: skip
-                else:
-                    prompts.append(parsed)
+        for number, item in iter_raw_records(path):
+            total += 1
+            parsed = parse_prompt(item, number)
+            if isinstance(parsed, Drop):
+                reasons[parsed.reason] += 1
+                dropped.write({"source": path, "line": number, "stage": "parse", "reason": parsed.reason,
+                               "detail": parsed.detail, "record": item.raw if isinstance(item, BadLine) else item})
+            else:
+                prompts.append(parsed)
     funnel.input = total
     funnel.add("parse", total, len(prompts), reasons)
     return prompts
@@ -164,11 +162,11 @@ def rejection_sample(config: SampleRecipe, sampler: Sampler | None = None) -> di
     pairs = Counter()
     scorer_use: Counter = Counter()
     paths = {name: output / f"{name}.jsonl" for name in ("sft", "preferences", "candidates", "dropped")}
-    handles = {name: open(path, "w", encoding="utf-8") for name, path in paths.items()}
-    try:
+    with ExitStack() as stack:
+        handles = {name: stack.enter_context(jsonl_writer(str(path))) for name, path in paths.items()}
         prompts = _read_prompts(config.data.paths(), funnel, handles["dropped"])
         sampler = sampler or Sampler(config)
-        bar = tqdm(total=len(prompts), desc="sample", unit="prompt", disable=not config.progress)
+        bar = progress(total=len(prompts), desc="sample", unit="prompt", disable=not config.progress)
         for start in range(0, len(prompts), CHUNK_PROMPTS):
             chunk = prompts[start : start + CHUNK_PROMPTS]
             candidates = sampler.generate(chunk)
@@ -178,15 +176,12 @@ def rejection_sample(config: SampleRecipe, sampler: Sampler | None = None) -> di
                 verdict = _select(prompt, texts, kind, values, config, handles, pairs)
                 funnel.add("select", 1, 0 if verdict else 1, {verdict.reason: 1} if verdict else {})
                 if verdict:
-                    record = {"id": prompt.id, "source": "sample", "line": prompt.line, "stage": "select",
-                              "reason": verdict.reason, "detail": verdict.detail, "scores": values,
-                              "record": {"messages": prompt.messages, "candidates": texts}}  # fmt: skip
-                    handles["dropped"].write(json.dumps(record, ensure_ascii=False) + "\n")
+                    handles["dropped"].write({"id": prompt.id, "source": "sample", "line": prompt.line,
+                                              "stage": "select", "reason": verdict.reason, "detail": verdict.detail,
+                                              "scores": values, "record": {"messages": prompt.messages,
+                                                                           "candidates": texts}})  # fmt: skip
             bar.update(len(chunk))
         bar.close()
-    finally:
-        for handle in handles.values():
-            handle.close()
     kept = funnel.stages["select"].kept
     n = config.sampling.n
     funnel.extra = {
@@ -206,8 +201,7 @@ def rejection_sample(config: SampleRecipe, sampler: Sampler | None = None) -> di
 def _select(prompt: PromptRecord, texts: list[str], kind: str, scores: list, config: SampleRecipe,
             handles: dict, pairs: Counter) -> Drop | None:  # fmt: skip
     """Write the candidates, the SFT target and the preference pair of one prompt; return a Drop if none."""
-    handles["candidates"].write(json.dumps({"id": prompt.id, "scorer": kind, "candidates": texts, "scores": scores},
-                                           ensure_ascii=False) + "\n")  # fmt: skip
+    handles["candidates"].write({"id": prompt.id, "scorer": kind, "candidates": texts, "scores": scores})
     usable = [s if text.strip() else None for s, text in zip(scores, texts, strict=True)]
     if not any(text.strip() for text in texts):
         return Drop("empty_generations", f"all {len(texts)} candidates are empty")
@@ -230,7 +224,7 @@ def _select(prompt: PromptRecord, texts: list[str], kind: str, scores: list, con
             "tier": prompt.tier,
             "meta": {"source_prompt": prompt.id, "scorer": kind},
         }
-        handles["preferences"].write(json.dumps(pair, ensure_ascii=False) + "\n")
+        handles["preferences"].write(pair)
         pairs["emitted"] += 1
     else:
         pairs["identical_best_and_worst" if margin > config.pair_margin else "margin_not_above_threshold"] += 1
@@ -244,7 +238,7 @@ def _select(prompt: PromptRecord, texts: list[str], kind: str, scores: list, con
         "meta": {**prompt.meta, "sample": {"source_prompt": prompt.id, "scorer": kind, "score": best_score,
                                            "scores": scores, "best_index": best}},  # fmt: skip
     }
-    handles["sft"].write(json.dumps(example, ensure_ascii=False) + "\n")
+    handles["sft"].write(example)
     return None
 
 

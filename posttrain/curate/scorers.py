@@ -6,9 +6,9 @@ same prompt, so scorers need not share a scale:
 
 - ``VerifierScorer``: the prompt's own verifier (``posttrain.eval.verifiers``), score in [0, 1];
   for prompts with an answer key (``answer``, ``tests`` or verifier options).
-- ``RewardModelScorer``: an HF ``AutoModelForSequenceClassification`` with one label (a reward
-  model as ``posttrain rm`` trains it); the score is the head's logit at the last non-padding
-  token of ``chat_template(prompt + [assistant: candidate])``, the full chat rendered as in training.
+- ``RewardModelScorer``: a reward model as ``posttrain rm`` trains it, through the one scorer
+  (``posttrain.train.reward_scorer``): the chat tokenised and truncated as in training, the head's
+  value at the last token.
 - ``JudgeScorer``: the curation judge's 1-5 quality score (rule-based or LLM).
 """
 
@@ -16,8 +16,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any, Protocol
-
-import torch
 
 from posttrain.curate.config import JudgeConfig, RewardModelConfig
 
@@ -65,54 +63,22 @@ class VerifierScorer:
 
 
 class RewardModelScorer:
-    """Scores ``(prompt, response)`` with a one-label sequence classifier, in batches."""
+    """Scores each candidate with ``posttrain.train.reward_scorer.RewardScorer``: the prompt chat plus the
+    candidate as the assistant turn, tokenised and truncated as ``posttrain rm`` trained the model, the
+    reward read at the last token by position."""
 
     name = "reward_model"
 
-    def __init__(self, config: RewardModelConfig, model: Any = None, tokenizer: Any = None):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from posttrain.models.load import DTYPES
+    def __init__(self, config: RewardModelConfig):
+        from posttrain.train.reward_scorer import RewardScorer
 
         self.config = config
-        self.tokenizer = tokenizer or AutoTokenizer.from_pretrained(config.path)
-        if self.tokenizer.pad_token is None:
-            self.tokenizer.pad_token = self.tokenizer.eos_token
-        # The reward is read at the last token, so an over-long text loses its start, never its end
-        # (as ``posttrain rm`` truncates when it trains).
-        self.tokenizer.truncation_side = "left"
-        self.model = model or AutoModelForSequenceClassification.from_pretrained(
-            config.path, dtype=DTYPES[config.dtype]
-        )
-        if self.model.config.num_labels != 1:
-            raise ValueError(f"{config.path}: a reward model has one label; this one has {self.model.config.num_labels}")
-        if self.model.config.pad_token_id is None:  # HF pools the last non-padding token via pad_token_id
-            self.model.config.pad_token_id = self.tokenizer.pad_token_id
-        self.model.eval()
-        if torch.cuda.is_available() and model is None:
-            self.model.to("cuda")
-
-    def render(self, messages: list[dict[str, str]], response: str) -> str:
-        chat = [*messages, {"role": "assistant", "content": response}]
-        if getattr(self.tokenizer, "chat_template", None):
-            return self.tokenizer.apply_chat_template(chat, tokenize=False)
-        return "\n".join(m["content"] for m in chat)
-
-    def score_texts(self, texts: list[str]) -> list[float]:
-        device = next(self.model.parameters()).device
-        scores: list[float] = []
-        with torch.inference_mode():
-            for start in range(0, len(texts), self.config.batch_size):
-                batch = texts[start : start + self.config.batch_size]
-                encoded = self.tokenizer(batch, padding=True, truncation=True, max_length=self.config.max_length,
-                                         add_special_tokens=False, return_tensors="pt")  # fmt: skip
-                logits = self.model(**{k: v.to(device) for k, v in encoded.items()}).logits
-                scores.extend(logits[:, 0].float().cpu().tolist())
-        return scores
+        self.scorer = RewardScorer.from_path(config.path, batch_size=config.batch_size, max_length=config.max_length,
+                                             dtype=config.dtype)
 
     def score(self, prompts: list[PromptRecord], candidates: list[list[str]]) -> list[list[float | None]]:
-        texts = [self.render(p.messages, text) for p, texts in zip(prompts, candidates, strict=True) for text in texts]
-        flat = self.score_texts(texts)
+        items = [(p.messages, text) for p, texts in zip(prompts, candidates, strict=True) for text in texts]
+        flat = self.scorer(items)
         out, position = [], 0
         for texts in candidates:
             out.append(flat[position : position + len(texts)])

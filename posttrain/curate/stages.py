@@ -7,12 +7,16 @@ the parent ``decide``s. So the list is cut into *segments* at each run of global
 runs a segment's row stages on one shard, computes the features of the global stages that follow,
 and writes the survivors to a file; the parent decides; the next segment starts by applying those
 decisions. Memory per worker is bounded by the shard size.
+
+Each stage registers a factory in ``CURATION_STAGES`` next to its class; ``STAGE_MODULES`` names
+the module that does, which is imported the first time the stage is built. Every scratch file is
+JSON lines, read and written through ``posttrain.data.io``.
 """
 
 from __future__ import annotations
 
 import heapq
-import json
+import importlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -23,12 +27,24 @@ import numpy as np
 
 from posttrain.curate.config import CurateRecipe
 from posttrain.curate.dedup import Decisions
-from posttrain.curate.rows import Drop, Row, parse_line, row_from_json, row_to_json, unparsed_dropped_record
+from posttrain.curate.registry import CURATION_STAGES
+from posttrain.curate.rows import Drop, Row, parse_line, unparsed_dropped_record
+from posttrain.data.io import iter_jsonl, write_jsonl
 
 PARSE = "parse"
-STAGE_ORDER = (
-    "normalize", "filters", "exact_dedup", "near_dedup", "semantic_dedup", "verify", "judge", "intent", "difficulty",
-)  # fmt: skip
+# Every stage in pipeline order, with the module that registers it (imported only when the stage runs).
+STAGE_MODULES = {
+    "normalize": "posttrain.curate.normalize",
+    "filters": "posttrain.curate.filters",
+    "exact_dedup": "posttrain.curate.dedup",
+    "near_dedup": "posttrain.curate.dedup",
+    "semantic_dedup": "posttrain.curate.dedup",
+    "verify": "posttrain.curate.verify",
+    "judge": "posttrain.curate.judge",
+    "intent": "posttrain.curate.intent",
+    "difficulty": "posttrain.curate.difficulty",
+}
+STAGE_ORDER = tuple(STAGE_MODULES)
 GLOBAL_STAGES = ("exact_dedup", "near_dedup", "semantic_dedup")
 MODEL_STAGES = ("judge", "intent", "difficulty")  # may load models; see Segment.runs_models
 
@@ -52,45 +68,10 @@ def enabled_stages(config: CurateRecipe) -> list[str]:
 
 
 def build_stage(name: str, config: CurateRecipe, cache_dir: str | None = None) -> Any:
-    """Construct one stage from the recipe (imports stay local: a worker loads only what it runs)."""
-    if name == "normalize":
-        from posttrain.curate.normalize import NormalizeStage
-
-        return NormalizeStage(config.normalize)
-    if name == "filters":
-        from posttrain.curate.filters import FilterStage
-
-        return FilterStage(config.filters)
-    if name == "exact_dedup":
-        from posttrain.curate.dedup import ExactDedupStage
-
-        return ExactDedupStage(config.exact_dedup)
-    if name == "near_dedup":
-        from posttrain.curate.dedup import NearDedupStage
-
-        return NearDedupStage(config.near_dedup)
-    if name == "semantic_dedup":
-        from posttrain.curate.dedup import SemanticDedupStage
-
-        return SemanticDedupStage(config.semantic_dedup, config.embedding)
-    if name == "verify":
-        from posttrain.curate.verify import VerifyStage
-
-        return VerifyStage()
-    if name == "judge":
-        from posttrain.curate.judge import JudgeStage
-
-        cache = Path(cache_dir, "judge.jsonl") if cache_dir else None
-        return JudgeStage(config.judge, list(config.intent.labels), cache)
-    if name == "intent":
-        from posttrain.curate.intent import IntentStage
-
-        return IntentStage(config.intent, config.embedding)
-    if name == "difficulty":
-        from posttrain.curate.difficulty import DifficultyStage
-
-        return DifficultyStage(config.difficulty)
-    raise KeyError(f"unknown curation stage {name!r}; stages: {', '.join(STAGE_ORDER)}")
+    """Construct one stage from the recipe through ``CURATION_STAGES``, importing its module on first use."""
+    if name not in CURATION_STAGES and name in STAGE_MODULES:
+        importlib.import_module(STAGE_MODULES[name])
+    return CURATION_STAGES.get(name)(config, cache_dir)
 
 
 # One set of stage objects per process: models load once, not once per shard.
@@ -136,11 +117,17 @@ def plan_segments(stages: list[str]) -> list[Segment]:
 
 @dataclass
 class ShardSource:
-    path: str
-    start: int  # byte offsets of the shard in the file
+    path: str  # the plain JSON-lines file to read: the input itself, or its copy in the work directory
+    start: int  # byte offsets of the shard in ``path``
     end: int
-    first_line: int  # 1-based line number of the first line
+    first_line: int  # 1-based line number (row for Parquet, datasets) of the first line in ``origin``
     first_index: int  # position of the first line in the whole input
+    count: int = 0  # lines in the shard
+    origin: str = ""  # the input file the lines come from (``path`` when empty)
+    line_numbers: list[int] | None = None  # each line's number in ``origin`` when not consecutive (JSON arrays)
+
+    def line(self, offset: int) -> int:
+        return self.line_numbers[offset] if self.line_numbers is not None else self.first_line + offset
 
 
 @dataclass
@@ -184,12 +171,11 @@ def run_shard(task: ShardTask) -> ShardResult:
     dropped_path = work / f"dropped-{segment.index:02d}-{task.shard:06d}.jsonl"
     rows_path = work / f"{'kept' if segment.final else 'rows'}-{segment.index:02d}-{task.shard:06d}.jsonl"
     counts: dict[str, tuple[int, int, dict[str, int]]] = {}
-    dropped: list[tuple[int, str]] = []  # (input position, JSON), sorted before writing
+    dropped: list[tuple[int, dict]] = []  # (input position, dropped record), sorted before writing
     if task.source is not None:
         rows = _parse(task.source, counts, dropped)
     else:
-        with open(task.rows_path, encoding="utf-8") as handle:  # type: ignore[arg-type]
-            rows = [row_from_json(line) for line in handle]
+        rows = [Row.from_dict(data) for _, data in iter_jsonl(task.rows_path)]  # type: ignore[arg-type]
     if task.decisions:
         rows = _apply_decisions(rows, task.decisions, dropped)
     for name in segment.row_stages:
@@ -212,61 +198,48 @@ def run_shard(task: ShardTask) -> ShardResult:
         )
         for name in segment.global_stages
     }
-    with open(rows_path, "w", encoding="utf-8") as out:
-        for row in rows:
-            text = json.dumps(row.output_record(), ensure_ascii=False) if segment.final else row_to_json(row)
-            out.write(text + "\n")
+    write_jsonl(str(rows_path), (row.output_record() if segment.final else row.to_dict() for row in rows))
     return ShardResult(
         task.shard, counts, [row.id for row in rows], features, str(rows_path), str(dropped_path),
         time.perf_counter() - started,
     )  # fmt: skip
 
 
-def write_dropped(dropped: list[tuple[int, str]], index: int, record: dict) -> None:
-    dropped.append((index, json.dumps(record, ensure_ascii=False)))
+def write_dropped(dropped: list[tuple[int, dict]], index: int, record: dict) -> None:
+    dropped.append((index, record))
 
 
-def _save_dropped(dropped: list[tuple[int, str]], path: Path) -> None:
-    """Part files carry the input position first, so the parent can merge them back into input order."""
+def _save_dropped(dropped: list[tuple[int, dict]], path: Path) -> None:
+    """Part files carry the input position, so the parent can merge them back into input order."""
     dropped.sort(key=lambda entry: entry[0])
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.writelines(f"{index}\t{text}\n" for index, text in dropped)
+    write_jsonl(str(path), ({"index": index, "record": record} for index, record in dropped))
 
 
 def merge_dropped(parts: list[str], target: Path) -> int:
     """Merge per-shard dropped files (each in input order) into one file in input order; streaming."""
 
     def entries(path: str):
-        with open(path, encoding="utf-8") as handle:
-            for line in handle:
-                index, _, text = line.partition("\t")
-                yield int(index), text
+        for _, entry in iter_jsonl(path):
+            yield entry["index"], entry["record"]
 
-    count = 0
-    with open(target, "w", encoding="utf-8") as out:
-        for _, text in heapq.merge(*(entries(part) for part in parts), key=lambda entry: entry[0]):
-            out.write(text)
-            count += 1
-    return count
+    merged = heapq.merge(*(entries(part) for part in parts), key=lambda entry: entry[0])
+    return write_jsonl(str(target), (record for _, record in merged))
 
 
 def _parse(source: ShardSource, counts: dict, dropped) -> list[Row]:
     rows: list[Row] = []
     reasons: Counter = Counter()
     lines = read_shard_lines(source)
+    origin = source.origin or source.path
     for offset, raw in enumerate(lines):
-        line = source.first_line + offset
-        if not raw.strip():
-            parsed: Row | tuple[Drop, str] = (Drop("blank_line"), "")
-        else:
-            parsed = parse_line(raw, source.first_index + offset, source.path, line)
+        line, index = source.line(offset), source.first_index + offset
+        parsed = parse_line(raw, index, origin, line)
         if isinstance(parsed, Row):
             rows.append(parsed)
         else:
             drop, text = parsed
             reasons[drop.reason] += 1
-            index = source.first_index + offset
-            write_dropped(dropped, index, unparsed_dropped_record(source.path, line, PARSE, drop, text))
+            write_dropped(dropped, index, unparsed_dropped_record(origin, line, PARSE, drop, text))
     counts[PARSE] = (len(lines), len(rows), dict(reasons))
     return rows
 

@@ -8,6 +8,8 @@ pass untouched. A key the verifiers cannot use is reported as ``verifier_error``
 
 from __future__ import annotations
 
+from posttrain.curate.config import CurateRecipe
+from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
 
@@ -46,3 +48,8 @@ class VerifyStage:
             row.scores["verifier"] = outcome.score
             results.append(None if outcome.passed else Drop("verifier_failed", outcome.detail[:200]))
         return results
+
+
+@CURATION_STAGES.register("verify")
+def _verify_stage(recipe: CurateRecipe, cache_dir: str | None) -> VerifyStage:
+    return VerifyStage()

@@ -1,5 +1,9 @@
 """External data formats → posttrain records, with detection and errors that name the bad field.
 
+This is the one record parser of the package: training (``read_records``), curation (``posttrain
+curate`` / ``sample`` / ``feedback``) and generation (``posttrain generate``) all read records through
+it, so they accept the same formats and report the same reasons.
+
 Supported formats (``FORMATS``), and the keys that identify each one in ``detect_format``:
 
 ==============================  ============================================  ======================
@@ -8,12 +12,22 @@ format                          shape of one record                           be
 ``messages`` (OpenAI)           ``{"messages": [{"role", "content"}, ...]}``  ``SFTExample``
 ``sharegpt``                    ``{"conversations": [{"from", "value"}]}``    ``SFTExample``
 ``alpaca``                      ``{"instruction", "input"?, "output"}``       ``SFTExample``
-``preference`` (TRL standard)   ``{"prompt": str, "chosen": str,              ``PreferencePair``
+``prompt_completion`` (TRL)     ``{"prompt": str | [msgs],                    ``SFTExample``
+                                "completion" | "response": str | [msgs]}``
+``preference`` (TRL standard)   ``{"prompt": str | [msgs], "chosen": str,     ``PreferencePair``
                                 "rejected": str}``
-``preference_conversational``   ``{"prompt"?: [msgs], "chosen": [msgs],       ``PreferencePair``
+``preference_conversational``   ``{"prompt"?: str | [msgs], "chosen": [msgs], ``PreferencePair``
 (TRL conversational)            "rejected": [msgs]}``
+``hh_rlhf`` (Anthropic)         ``{"chosen": "\\n\\nHuman: …\\n\\nAssistant: …",  ``PreferencePair``
+                                "rejected": "…"}`` (no ``prompt``)
 ``rl``                          ``{"prompt": str | [msgs], "answer"?, ...}``  ``RLPrompt``
 ==============================  ============================================  ======================
+
+``response`` is accepted as a synonym of TRL's ``completion``: many instruction sets (and posttrain's
+own raw task pool) use it, and a prompt with a response is something to learn from, not an RL prompt.
+A ``prompt`` without either is an RL prompt. In an SFT example made from ``prompt_completion`` every
+assistant turn is a target, including assistant turns inside a conversational ``prompt`` (TRL trains
+the completion only); give such data as ``messages`` if that is what you mean.
 
 Every format may also carry ``id`` (string or integer), ``tier`` (1–3), ``difficulty`` (number),
 ``meta`` (an object, or a JSON-object string as Parquet stores it) and ``kind`` (``sft`` /
@@ -23,42 +37,42 @@ records may carry ``rationale`` (the annotator's reason) and ``chosen_score`` / 
 know are kept, not dropped: they go into ``meta`` under their own name. A key whose value is
 ``null`` counts as absent (Parquet fills missing columns with nulls).
 
-A conversational preference record without ``prompt`` (TRL's *implicit prompt*) is split at the
-first message where ``chosen`` and ``rejected`` differ; the shared messages become the prompt.
+A conversational preference record without ``prompt`` (TRL's *implicit prompt*) and an HH-RLHF pair
+are split at the first message where ``chosen`` and ``rejected`` differ; the shared messages become
+the prompt.
 
 Conversion errors are ``FormatError``: they carry the field path in the input's own terms
-(``conversations[2].value``), a human reason, and a short ``category`` used to count bad records.
+(``conversations[2].value``), a human reason, and a short ``category`` used to count bad records. A
+record of a known format that belongs to another recipe (an RL prompt given to SFT) gets
+``WRONG_KIND`` and a message that says what the record is and how to convert it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from pydantic import ValidationError
 
+from posttrain.data.kind_hints import wrong_kind_message
 from posttrain.data.records import Message, PreferencePair, Record, RLPrompt, SFTExample
-
-FORMATS: tuple[str, ...] = (
-    "messages",
-    "sharegpt",
-    "alpaca",
-    "preference",
-    "preference_conversational",
-    "rl",
-)
 
 FORMAT_KIND = {
     "messages": "sft",
     "sharegpt": "sft",
     "alpaca": "sft",
+    "prompt_completion": "sft",
     "preference": "preference",
     "preference_conversational": "preference",
+    "hh_rlhf": "preference",
     "rl": "rl",
 }
+FORMATS: tuple[str, ...] = tuple(FORMAT_KIND)
 
-# Categories used to count bad records by reason (``ReadReport.reasons``).
+# Categories used to count bad records by reason (``ReadReport.reasons``, the curation funnel).
+BLANK_LINE = "blank line"
 MALFORMED_JSON = "malformed JSON"
 INVALID_UTF8 = "invalid UTF-8"
 NOT_AN_OBJECT = "not a JSON object"
@@ -66,12 +80,18 @@ UNKNOWN_FORMAT = "unknown format"
 MISSING_FIELD = "missing field"
 WRONG_TYPE = "wrong type"
 INVALID_VALUE = "invalid value"
-EMPTY_MESSAGE = "empty message"
+EMPTY_MESSAGE = "empty message"  # a chat turn with no text
 EMPTY_PROMPT = "empty prompt"
+EMPTY_RESPONSE = "empty response"  # a response given as plain text (`output`, `completion`, `chosen`) is empty
 IDENTICAL_PAIR = "identical chosen/rejected"
 NO_ASSISTANT = "no assistant turn"
 WRONG_KIND = "wrong record kind"
+CATEGORIES: tuple[str, ...] = (
+    BLANK_LINE, MALFORMED_JSON, INVALID_UTF8, NOT_AN_OBJECT, UNKNOWN_FORMAT, MISSING_FIELD, WRONG_TYPE,
+    INVALID_VALUE, EMPTY_MESSAGE, EMPTY_PROMPT, EMPTY_RESPONSE, IDENTICAL_PAIR, NO_ASSISTANT, WRONG_KIND,
+)  # fmt: skip
 
+# The one role map for chats that name roles in their own words (ShareGPT's `from`).
 SHAREGPT_ROLES = {
     "human": "user",
     "user": "user",
@@ -87,22 +107,29 @@ SHAREGPT_ROLES = {
 MESSAGE_ROLES = ("system", "user", "assistant", "tool")
 
 _COMMON_KEYS = {"id", "tier", "difficulty", "meta", "kind"}
+_PREFERENCE_KEYS = {"prompt", "chosen", "rejected", "rationale", "chosen_score", "rejected_score", "score_chosen",
+                    "score_rejected"}  # fmt: skip
 _FORMAT_KEYS = {
     "messages": {"messages"},
     "sharegpt": {"conversations"},
     "alpaca": {"instruction", "input", "output", "system"},
-    "preference": {"prompt", "chosen", "rejected", "rationale", "chosen_score", "rejected_score",
-                   "score_chosen", "score_rejected"},
+    "prompt_completion": {"prompt", "completion", "response"},
+    "preference": _PREFERENCE_KEYS,
+    "preference_conversational": _PREFERENCE_KEYS,
+    "hh_rlhf": _PREFERENCE_KEYS - {"prompt"},
     "rl": {"prompt", "answer", "verifier", "tests", "group"},
 }
-_FORMAT_KEYS["preference_conversational"] = _FORMAT_KEYS["preference"]
+_RESPONSE_KEYS = ("completion", "response")
 
 
 class FormatError(ValueError):
-    """A record does not fit its format. ``field`` is a path in the input's terms, or None."""
+    """A record does not fit its format. ``field`` is a path in the input's terms, or None.
 
-    def __init__(self, field: str | None, reason: str, category: str):
-        self.field, self.reason, self.category = field, reason, category
+    ``found_kind`` is set for ``WRONG_KIND``: the kind the record actually is (``"rl"`` for an RL prompt).
+    """
+
+    def __init__(self, field: str | None, reason: str, category: str, found_kind: str | None = None):
+        self.field, self.reason, self.category, self.found_kind = field, reason, category, found_kind
         super().__init__(f"`{field}`: {reason}" if field else reason)
 
 
@@ -112,7 +139,7 @@ def _present(raw: dict) -> dict:
 
 
 def detect_format(raw: dict) -> str:
-    """Name the format of one raw record from its keys; raise ``ValueError`` naming the keys seen."""
+    """Name the format of one raw record from its keys; raise ``FormatError`` naming the keys seen."""
     if not isinstance(raw, dict):
         raise FormatError(None, f"expected a JSON object, got {type(raw).__name__}", NOT_AN_OBJECT)
     keys = _present(raw)
@@ -122,24 +149,23 @@ def detect_format(raw: dict) -> str:
         return "sharegpt"
     if "chosen" in keys or "rejected" in keys:
         sample = keys.get("chosen", keys.get("rejected"))
-        return "preference_conversational" if isinstance(sample, list) else "preference"
-    if "instruction" in keys and "output" in keys:
+        if isinstance(sample, list):
+            return "preference_conversational"
+        # Without a prompt, a text `chosen` is a whole transcript: Anthropic's HH-RLHF layout.
+        return "preference" if "prompt" in keys else "hh_rlhf"
+    if "instruction" in keys:
+        if "output" not in keys:
+            raise FormatError("output", "required field is missing (an Alpaca record has `instruction`, `input` and "
+                              "`output`)", MISSING_FIELD)  # fmt: skip
         return "alpaca"
-    if "prompt" in keys and "completion" in keys:
-        raise FormatError(
-            "completion",
-            "prompt/completion records (TRL's prompt-completion SFT format) are not supported; "
-            "convert them to {\"messages\": [user, assistant]}",
-            UNKNOWN_FORMAT,
-        )
     if "prompt" in keys:
-        return "rl"
-    seen = ", ".join(sorted(keys)) or "none"
+        return "prompt_completion" if any(key in keys for key in _RESPONSE_KEYS) else "rl"
+    seen = ", ".join(sorted(map(str, keys))) or "none"
     raise FormatError(
         None,
         f"cannot tell the format from the keys ({seen}); expected `messages` (OpenAI), `conversations` "
-        "(ShareGPT), `instruction`+`output` (Alpaca), `prompt`+`chosen`+`rejected` (preference) or "
-        "`prompt` (RL)",
+        "(ShareGPT), `instruction`+`output` (Alpaca), `prompt`+`completion` (or `response`; SFT), "
+        "`prompt`+`chosen`+`rejected` (preference), `chosen`+`rejected` transcripts (HH-RLHF) or `prompt` (RL)",
         UNKNOWN_FORMAT,
     )
 
@@ -226,18 +252,31 @@ def _messages(value: Any, field: str, role_key: str = "role", text_key: str = "c
     return out
 
 
-def _prompt(value: Any, field: str = "prompt") -> list[Message]:
+def parse_prompt(value: Any, field: str = "prompt") -> list[Message]:
     """A prompt given as plain text (one user message) or as a list of messages."""
     if isinstance(value, str):
         return [Message(role="user", content=_nonempty(value, field, EMPTY_PROMPT))]
-    if isinstance(value, list) and not value:
+    if not isinstance(value, list):
+        raise FormatError(field, f"expected a string or a list of messages, got {_type_name(value)}", WRONG_TYPE)
+    if not value:
         raise FormatError(field, "is empty", EMPTY_PROMPT)
     return _messages(value, field)
 
 
-def _need_assistant(messages: list[Message], field: str) -> None:
+def _response(value: Any, field: str) -> list[Message]:
+    """A response given as plain text (one assistant message) or as a list of messages with an assistant turn."""
+    if isinstance(value, str):
+        return [Message(role="assistant", content=_nonempty(value, field, EMPTY_RESPONSE))]
+    if not isinstance(value, list):
+        raise FormatError(field, f"expected a string or a list of messages, got {_type_name(value)}", WRONG_TYPE)
+    messages = _messages(value, field)
+    _need_assistant(messages, field)
+    return messages
+
+
+def _need_assistant(messages: list[Message], field: str, what: str = "has no assistant message to learn from") -> None:
     if not any(m.role == "assistant" for m in messages):
-        raise FormatError(field, "has no assistant message to learn from", NO_ASSISTANT)
+        raise FormatError(field, what, NO_ASSISTANT)
 
 
 # ------------------------------------------------------------------------------------ common fields
@@ -285,35 +324,56 @@ def _tags(raw: dict, fmt: str) -> dict[str, Any]:
         kind = _string(raw["kind"], "kind")
         if kind != FORMAT_KIND[fmt]:
             raise FormatError("kind", f"says {kind!r} but the record is in the {fmt!r} format "
-                              f"({FORMAT_KIND[fmt]!r} records)", WRONG_KIND)
+                              f"({FORMAT_KIND[fmt]!r} records)", WRONG_KIND, found_kind=FORMAT_KIND[fmt])
     return tags
+
+
+# ------------------------------------------------------------------------------- prompts of SFT formats
+
+
+def _chat(raw: dict, fmt: str) -> tuple[list[Message], str]:
+    """The chat of a ``messages`` or ``sharegpt`` record and its field name (no assistant turn required)."""
+    if fmt == "sharegpt":
+        return _messages(_require(raw, "conversations"), "conversations", "from", "value", SHAREGPT_ROLES), "conversations"
+    return _messages(_require(raw, "messages"), "messages"), "messages"
+
+
+def _alpaca_prompt(raw: dict) -> list[Message]:
+    instruction = _nonempty(_string(_require(raw, "instruction"), "instruction"), "instruction", EMPTY_PROMPT)
+    extra_input = _string(raw.get("input", ""), "input")
+    # Alpaca's own prompt puts the input after the instruction, separated by a blank line.
+    messages = [Message(role="user", content=f"{instruction}\n\n{extra_input}" if extra_input.strip() else instruction)]
+    if "system" in raw:
+        messages.insert(0, Message(role="system", content=_string(raw["system"], "system")))
+    return messages
+
+
+def _completion_key(raw: dict) -> str:
+    if all(key in raw for key in _RESPONSE_KEYS):
+        raise FormatError("response", "give either `completion` or `response`, not both", INVALID_VALUE)
+    return next((key for key in _RESPONSE_KEYS if key in raw), "completion")
 
 
 # -------------------------------------------------------------------------------------- converters
 
 
-def _from_messages(raw: dict) -> SFTExample:
-    messages = _messages(_require(raw, "messages"), "messages")
-    _need_assistant(messages, "messages")
-    return SFTExample(messages=messages, **_tags(raw, "messages"))
-
-
-def _from_sharegpt(raw: dict) -> SFTExample:
-    messages = _messages(_require(raw, "conversations"), "conversations", "from", "value", SHAREGPT_ROLES)
-    _need_assistant(messages, "conversations")
-    return SFTExample(messages=messages, **_tags(raw, "sharegpt"))
+def _from_chat(raw: dict, fmt: str) -> SFTExample:
+    messages, field = _chat(raw, fmt)
+    _need_assistant(messages, field)
+    return SFTExample(messages=messages, **_tags(raw, fmt))
 
 
 def _from_alpaca(raw: dict) -> SFTExample:
-    instruction = _nonempty(_string(_require(raw, "instruction"), "instruction"), "instruction", EMPTY_PROMPT)
-    extra_input = _string(raw.get("input", ""), "input")
-    output = _nonempty(_string(_require(raw, "output"), "output"), "output")
-    # Alpaca's own prompt puts the input after the instruction, separated by a blank line.
-    user_text = f"{instruction}\n\n{extra_input}" if extra_input.strip() else instruction
-    messages = [Message(role="user", content=user_text), Message(role="assistant", content=output)]
-    if "system" in raw:
-        messages.insert(0, Message(role="system", content=_string(raw["system"], "system")))
-    return SFTExample(messages=messages, **_tags(raw, "alpaca"))
+    prompt = _alpaca_prompt(raw)
+    output = _nonempty(_string(_require(raw, "output"), "output"), "output", EMPTY_RESPONSE)
+    return SFTExample(messages=[*prompt, Message(role="assistant", content=output)], **_tags(raw, "alpaca"))
+
+
+def _from_prompt_completion(raw: dict) -> SFTExample:
+    key = _completion_key(raw)
+    prompt = parse_prompt(_require(raw, "prompt"))
+    completion = _response(_require(raw, key), key)
+    return SFTExample(messages=[*prompt, *completion], **_tags(raw, "prompt_completion"))
 
 
 def _preference_extras(raw: dict) -> dict[str, Any]:
@@ -334,44 +394,78 @@ def _check_pair(chosen: list[Message], rejected: list[Message]) -> None:
         raise FormatError("rejected", "is identical to `chosen`: the pair carries no preference", IDENTICAL_PAIR)
 
 
-def _from_preference(raw: dict) -> PreferencePair:
-    prompt_text = _string(_require(raw, "prompt"), "prompt")
-    prompt = [Message(role="user", content=_nonempty(prompt_text, "prompt", EMPTY_PROMPT))]
-    chosen = [Message(role="assistant", content=_nonempty(_string(_require(raw, "chosen"), "chosen"), "chosen"))]
-    rejected_text = _string(_require(raw, "rejected"), "rejected")
-    rejected = [Message(role="assistant", content=_nonempty(rejected_text, "rejected"))]
+def _split_shared_prompt(chosen: list[Message], rejected: list[Message], none_shared: str,
+                         category: str) -> tuple[list[Message], ...]:  # fmt: skip
+    """``(prompt, chosen, rejected)``: the leading messages both sides share become the prompt."""
     _check_pair(chosen, rejected)
-    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected,
-                          **_preference_extras(raw), **_tags(raw, "preference"))
-
-
-def _split_implicit_prompt(chosen: list[Message], rejected: list[Message]) -> tuple[list[Message], ...]:
     shared = 0
     while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
         shared += 1
     if shared == 0:
-        raise FormatError("prompt", "required field is missing (and `chosen`/`rejected` share no leading "
-                          "messages to use as the prompt)", MISSING_FIELD)
+        raise FormatError("prompt", none_shared, category)
     return chosen[:shared], chosen[shared:], rejected[shared:]
 
 
-def _from_preference_conversational(raw: dict) -> PreferencePair:
-    chosen = _messages(_require(raw, "chosen"), "chosen")
-    rejected = _messages(_require(raw, "rejected"), "rejected")
-    if "prompt" in raw:
-        prompt = _prompt(raw["prompt"])
-    else:
-        _check_pair(chosen, rejected)
-        prompt, chosen, rejected = _split_implicit_prompt(chosen, rejected)
-    _need_assistant(chosen, "chosen")
-    _need_assistant(rejected, "rejected")
+def _from_preference(raw: dict, fmt: str) -> PreferencePair:
+    """TRL standard and conversational pairs: a prompt (text or chat), responses as text or as chats.
+    Only the conversational layout may leave the prompt implicit."""
+    prompt = parse_prompt(_require(raw, "prompt")) if fmt == "preference" or "prompt" in raw else None
+    chosen, rejected = _response(_require(raw, "chosen"), "chosen"), _response(_require(raw, "rejected"), "rejected")
+    if prompt is None:
+        prompt, chosen, rejected = _split_shared_prompt(
+            chosen, rejected, "required field is missing (and `chosen`/`rejected` share no leading messages to use "
+            "as the prompt)", MISSING_FIELD)  # fmt: skip
+        _need_assistant(chosen, "chosen", "has no assistant message after the shared prompt")
+        _need_assistant(rejected, "rejected", "has no assistant message after the shared prompt")
     _check_pair(chosen, rejected)
-    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected,
-                          **_preference_extras(raw), **_tags(raw, "preference_conversational"))
+    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected, **_preference_extras(raw),
+                          **_tags(raw, fmt))  # fmt: skip
 
 
-def _from_rl(raw: dict) -> RLPrompt:
-    fields: dict[str, Any] = {"prompt": _prompt(_require(raw, "prompt"))}
+# Turn markers of Anthropic's HH-RLHF transcripts; "\n\nHuman:" inside a turn's text would be a new turn there too.
+_HH_TURN = re.compile(r"\n\n(Human|Assistant):")
+_HH_ROLES = {"Human": "user", "Assistant": "assistant"}
+
+
+def hh_turns(text: Any, field: str) -> list[Message]:
+    """Split an HH-RLHF transcript (``"\\n\\nHuman: …\\n\\nAssistant: …"``) into messages; errors name ``field``."""
+    text = _string(text, field)
+    if text.startswith(("Human:", "Assistant:")):  # some copies lost the leading blank line
+        text = "\n\n" + text
+    parts = _HH_TURN.split(text)
+    if len(parts) == 1:
+        raise FormatError(field, "has no `\\n\\nHuman:` / `\\n\\nAssistant:` turns (a text `chosen`/`rejected` "
+                          "without `prompt` is read as an Anthropic HH-RLHF transcript; give `prompt` for the TRL "
+                          "standard preference format)", INVALID_VALUE)  # fmt: skip
+    if parts[0].strip():
+        raise FormatError(field, f"has text before its first turn ({parts[0].strip()[:40]!r}); an HH-RLHF transcript "
+                          "starts with `\\n\\nHuman:`", INVALID_VALUE)  # fmt: skip
+    messages = []
+    for index in range(1, len(parts), 2):
+        speaker, content = parts[index], parts[index + 1].strip()
+        turn = index // 2
+        if not content:
+            raise FormatError(f"{field}[{turn}]", f"turn {turn + 1} (`{speaker}:`) is empty", EMPTY_MESSAGE)
+        if "\x00" in content:
+            raise FormatError(f"{field}[{turn}]", "contains a NUL character", INVALID_VALUE)
+        messages.append(Message(role=_HH_ROLES[speaker], content=content))
+    _need_assistant(messages, field, "has no `\\n\\nAssistant:` turn: nothing to prefer")
+    return messages
+
+
+def _from_hh_rlhf(raw: dict) -> PreferencePair:
+    chosen, rejected = hh_turns(_require(raw, "chosen"), "chosen"), hh_turns(_require(raw, "rejected"), "rejected")
+    prompt, chosen, rejected = _split_shared_prompt(
+        chosen, rejected, "`chosen` and `rejected` share no leading turns, so there is no prompt: an HH-RLHF pair is "
+        "two transcripts of one conversation that differ from some `Assistant:` reply on", EMPTY_PROMPT)  # fmt: skip
+    _need_assistant(chosen, "chosen", "has no `Assistant:` turn after the turns it shares with `rejected`")
+    _need_assistant(rejected, "rejected", "has no `Assistant:` turn after the turns it shares with `chosen`")
+    return PreferencePair(prompt=prompt, chosen=chosen, rejected=rejected, **_preference_extras(raw),
+                          **_tags(raw, "hh_rlhf"))  # fmt: skip
+
+
+def _rl_fields(raw: dict) -> dict[str, Any]:
+    fields: dict[str, Any] = {"prompt": parse_prompt(_require(raw, "prompt"))}
     if "answer" in raw:
         answer = raw["answer"]
         # Verifiable answers are often numbers in the source data; the verifier compares text.
@@ -381,15 +475,21 @@ def _from_rl(raw: dict) -> RLPrompt:
     for key in ("verifier", "tests", "group"):
         if key in raw:
             fields[key] = _string(raw[key], key)
-    return RLPrompt(**fields, **_tags(raw, "rl"))
+    return fields
+
+
+def _from_rl(raw: dict) -> RLPrompt:
+    return RLPrompt(**_rl_fields(raw), **_tags(raw, "rl"))
 
 
 _CONVERTERS = {
-    "messages": _from_messages,
-    "sharegpt": _from_sharegpt,
+    "messages": lambda raw: _from_chat(raw, "messages"),
+    "sharegpt": lambda raw: _from_chat(raw, "sharegpt"),
     "alpaca": _from_alpaca,
-    "preference": _from_preference,
-    "preference_conversational": _from_preference_conversational,
+    "prompt_completion": _from_prompt_completion,
+    "preference": lambda raw: _from_preference(raw, "preference"),
+    "preference_conversational": lambda raw: _from_preference(raw, "preference_conversational"),
+    "hh_rlhf": _from_hh_rlhf,
     "rl": _from_rl,
 }
 
@@ -414,20 +514,68 @@ def _validation_to_format_error(exc: ValidationError) -> FormatError:
     return FormatError(field, message, category)
 
 
+def _resolve(raw: Any, fmt: str) -> str:
+    if not isinstance(raw, dict):
+        raise FormatError(None, f"expected a JSON object, got {_type_name(raw)}", NOT_AN_OBJECT)
+    if fmt == "auto":
+        return detect_format(raw)
+    if fmt not in _CONVERTERS:
+        raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)} or 'auto'")
+    return fmt
+
+
 def to_record(raw: dict, fmt: str) -> Record:
     """Convert one raw record in format ``fmt`` (or ``"auto"``) to a posttrain record.
 
     Keeps ``id``/``tier``/``difficulty``/``meta``; unknown keys go into ``meta``. Raises
     ``FormatError`` (a ``ValueError``) naming the field and the reason.
     """
-    if not isinstance(raw, dict):
-        raise FormatError(None, f"expected a JSON object, got {_type_name(raw)}", NOT_AN_OBJECT)
-    if fmt == "auto":
-        fmt = detect_format(raw)
-    if fmt not in _CONVERTERS:
-        raise ValueError(f"unknown format {fmt!r}; expected one of {', '.join(FORMATS)} or 'auto'")
+    fmt = _resolve(raw, fmt)
     try:
         return _CONVERTERS[fmt](_present(raw))
+    except ValidationError as exc:
+        raise _validation_to_format_error(exc) from None
+
+
+# ------------------------------------------------------------------------ records of another recipe
+
+
+def convert(raw: dict, fmt: str = "auto", kind: str | None = None) -> tuple[Record, str]:
+    """``(record, format used)`` for one raw record; with ``kind``, a record of another kind is a ``FormatError``
+    (category ``WRONG_KIND``, ``found_kind`` set) whose message says how to convert it."""
+    used = _resolve(raw, fmt)
+    if kind is not None and FORMAT_KIND[used] != kind:
+        found = FORMAT_KIND[used]
+        raise FormatError(None, wrong_kind_message(used, found, kind, raw), WRONG_KIND, found_kind=found)
+    return to_record(raw, used), used
+
+
+def to_prompt(raw: dict, fmt: str = "auto") -> tuple[RLPrompt, str]:
+    """The prompt of any record, as an ``RLPrompt``: what to sample a response for.
+
+    RL records convert as they are. A chat's prompt is its turns before the trailing assistant
+    reply (a chat with no assistant turn is all prompt); Alpaca's is the instruction (+ input);
+    ``prompt_completion`` and preference records give their ``prompt`` (HH-RLHF: the shared turns).
+    Other fields of an SFT or preference record (``answer`` keys included) end up in ``meta``.
+    """
+    used = _resolve(raw, fmt)
+    present = _present(raw)
+    try:
+        if used == "rl":
+            return _from_rl(present), used
+        if used in ("messages", "sharegpt"):
+            messages, field = _chat(present, used)
+            while messages and messages[-1].role == "assistant":
+                messages.pop()
+            if not messages:
+                raise FormatError(field, "has no turns before the assistant reply: nothing to prompt with", EMPTY_PROMPT)
+        elif used == "alpaca":
+            messages = _alpaca_prompt(present)
+        elif used == "prompt_completion":
+            messages = parse_prompt(_require(present, "prompt"))
+        else:
+            messages = to_record(present, used).prompt  # type: ignore[union-attr]
+        return RLPrompt(prompt=messages, **_tags(present, used)), used
     except ValidationError as exc:
         raise _validation_to_format_error(exc) from None
 

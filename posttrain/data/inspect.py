@@ -59,16 +59,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def _record_length(record: Record, tokenizer) -> int:
     """Tokens the record occupies in training: the whole chat, the longer side of a pair, or the prompt."""
-    from posttrain.data.tokenize import render_prompt, tokenize_chat, tokenize_prompt_completion
+    from posttrain.data.chat import encode_prompt
+    from posttrain.data.tokenize import tokenize_chat_rows, tokenize_prompt_completion
 
     unlimited = 1 << 62
-    if isinstance(record, SFTExample):
-        return len(tokenize_chat(record, tokenizer, unlimited))
+    if isinstance(record, SFTExample):  # a template that rewrites history gives one row per turn: the longest
+        return max(len(row) for row in tokenize_chat_rows(record, tokenizer, unlimited))
     if isinstance(record, PreferencePair):
         return max(len(tokenize_prompt_completion(record.prompt, side, tokenizer, unlimited))
                    for side in (record.chosen, record.rejected))
     assert isinstance(record, RLPrompt)
-    return len(tokenizer(render_prompt(record.prompt, tokenizer), add_special_tokens=False)["input_ids"])
+    return len(encode_prompt(tokenizer, record.prompt))  # the ids generation samples from (implicit BOS included)
 
 
 def length_stats(lengths: list[int], max_length: int) -> dict[str, Any]:
@@ -88,14 +89,13 @@ def length_stats(lengths: list[int], max_length: int) -> dict[str, Any]:
 
 
 def _token_stats(records: list[Record], model: str, max_length: int, limit: int | None) -> dict[str, Any]:
-    from tqdm import tqdm
-
     from posttrain.models.load import load_tokenizer
+    from posttrain.progress import progress
 
     tokenizer = load_tokenizer(model)
     chosen = records if limit is None else records[:limit]
     by_kind: dict[str, list[int]] = {}
-    for record in tqdm(chosen, desc="measuring token lengths", unit=" rec", disable=None, leave=False):
+    for record in progress(chosen, desc="measuring token lengths", unit="rec"):
         by_kind.setdefault(record.kind, []).append(_record_length(record, tokenizer))
     return {kind: length_stats(lengths, max_length) for kind, lengths in by_kind.items()}
 

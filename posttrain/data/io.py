@@ -1,6 +1,11 @@
 """Read and write record files: JSONL (also ``.json`` lines or a JSON array, ``.gz`` too), Parquet, and
 directories written by ``datasets.Dataset.save_to_disk``.
 
+This is the one JSONL reader and writer of the package. Every JSON line anyone reads is decoded by
+``parse_json_line`` (UTF-8 per line, JSON, one object; a bad line becomes a ``BadLine`` with a
+reason and a category, never an exception), and every JSONL file anyone writes goes through
+``jsonl_writer`` / ``write_jsonl`` (atomic replace on local disk) or ``append_jsonl``.
+
 Bad input never crashes without a message and never disappears. Each bad record (malformed JSON,
 invalid UTF-8, a missing or mistyped field, an empty message, identical chosen/rejected, a record of
 the wrong kind, …) either stops the read with ``DataError`` naming ``file:line``, the field and the
@@ -21,27 +26,28 @@ from pathlib import PurePosixPath
 from typing import Any, Literal
 
 import fsspec
-from tqdm import tqdm
 
 from posttrain.data.errors import DataError
 from posttrain.data.formats import (
-    FORMAT_KIND,
+    BLANK_LINE,
     FORMATS,
     INVALID_UTF8,
     MALFORMED_JSON,
     NOT_AN_OBJECT,
-    WRONG_KIND,
     FormatError,
-    detect_format,
+    convert,
     record_to_raw,
-    to_record,
 )
 from posttrain.data.records import RECORD_KINDS, Record
+from posttrain.progress import progress as progress_bar
 
 logger = logging.getLogger("posttrain.data")
 
 OnError = Literal["raise", "quarantine"]
+Layout = Literal["lines", "rows"]
 _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
+LINE_SUFFIXES = (".jsonl", ".ndjson")
+RECORD_SUFFIXES = (*LINE_SUFFIXES, ".json", ".parquet")
 _EXAMPLE_LINES_PER_REASON = 5
 
 
@@ -97,11 +103,11 @@ class ReadReport:
 
 
 @dataclass
-class _BadLine:
-    """A line that could not even be parsed into an object."""
+class BadLine:
+    """A line (or array element) that could not be parsed into a JSON object: why, and its text."""
 
     reason: str
-    category: str
+    category: str  # one of posttrain.data.formats.CATEGORIES
     raw: str
 
 
@@ -115,35 +121,60 @@ def _suffix(path: str) -> str:
     return suffixes[-1] if suffixes else ""
 
 
-def _parse_line(data: bytes) -> dict | _BadLine:
+def parse_json_line(data: bytes) -> dict | BadLine:
+    """One JSON line (bytes, line ending optional) → its object, or a ``BadLine`` saying what is wrong.
+
+    Blank lines, invalid UTF-8, malformed JSON (including nesting too deep to parse), lone UTF-16
+    surrogates from ``\\u`` escapes (not text: they cannot be written back as UTF-8) and values that are
+    not objects each get their own category.
+    """
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8").rstrip("\r\n")
     except UnicodeDecodeError as exc:
         shown = data.decode("utf-8", errors="backslashreplace").rstrip("\r\n")
-        return _BadLine(f"invalid UTF-8 at byte {exc.start} of the line", INVALID_UTF8, shown)
+        return BadLine(f"invalid UTF-8 at byte {exc.start} of the line", INVALID_UTF8, shown)
+    if not text.strip():
+        return BadLine("blank line", BLANK_LINE, text)
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        return _BadLine(f"malformed JSON: {exc.msg} (column {exc.colno})", MALFORMED_JSON, text.rstrip("\r\n"))
+        return BadLine(f"malformed JSON: {exc.msg} (column {exc.colno})", MALFORMED_JSON, text)
+    except RecursionError:
+        return BadLine("malformed JSON: nested too deeply to parse", MALFORMED_JSON, text)
     if not isinstance(value, dict):
-        return _BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT, text.rstrip("\r\n"))
+        return BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT, text)
+    # Valid UTF-8 cannot hold a lone surrogate, but a JSON escape (\ud800) can; look only when one may be there.
+    if "\\ud" in text.lower() and not _encodable(value):
+        return BadLine("a \\u escape holds a lone surrogate (not valid Unicode text)", INVALID_UTF8, text)
     return value
 
 
-def _iter_json_lines(path: str, report: ReadReport | None) -> Iterator[tuple[int, dict | _BadLine]]:
-    # Bytes, decoded line by line: one bad byte spoils one line, not the file.
-    with fsspec.open(path, "rb", compression="infer") as handle:
+def _encodable(value: Any) -> bool:
+    try:
+        json.dumps(value, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
+    """``(line_number, bytes)`` of each line of a text file (local or fsspec URL, compression by suffix),
+    line ending removed, a leading UTF-8 BOM dropped. Bytes, so one bad byte spoils one line, not the file."""
+    with fsspec.open(str(path), "rb", compression="infer") as handle:
         for number, data in enumerate(handle, start=1):
             if number == 1 and data.startswith(b"\xef\xbb\xbf"):
                 data = data[3:]
-            if not data.strip():
-                if report is not None:
-                    report.blank_lines += 1
-                continue
-            yield number, _parse_line(data)
+            if data.endswith(b"\n"):
+                data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
+            yield number, data
 
 
-def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | _BadLine]]:
+def _iter_json_lines(path: str) -> Iterator[tuple[int, dict | BadLine]]:
+    for number, data in iter_lines(path):
+        yield number, parse_json_line(data)
+
+
+def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine]]:
     decoder = json.JSONDecoder()
     position = text.index("[") + 1
 
@@ -156,7 +187,7 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | _BadLin
     if position < len(text) and text[position] == "]":
         return
     while True:
-        line = text.count("\n", 0, position) + 1
+        line, start = text.count("\n", 0, position) + 1, position
         try:
             value, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as exc:
@@ -164,10 +195,14 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | _BadLin
             raise DataError(path, exc.lineno, None, f"malformed JSON: {exc.msg} (column {exc.colno}); a "
                             "JSON array cannot be read past a syntax error") from None
         if isinstance(value, dict):
-            yield line, value
+            if "\\ud" in text[start:position].lower() and not _encodable(value):
+                yield line, BadLine("a \\u escape holds a lone surrogate (not valid Unicode text)", INVALID_UTF8,
+                                    json.dumps(value))
+            else:
+                yield line, value
         else:
-            yield line, _BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT,
-                                 json.dumps(value))
+            yield line, BadLine(f"expected a JSON object, got {type(value).__name__}", NOT_AN_OBJECT,
+                                json.dumps(value))
         position = skip_space(position)
         if position < len(text) and text[position] == ",":
             position = skip_space(position + 1)
@@ -178,13 +213,14 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | _BadLin
         raise DataError(path, line, None, "malformed JSON: expected ',' or ']' in the JSON array")
 
 
-def _iter_json_file(path: str, report: ReadReport | None) -> Iterator[tuple[int, dict | _BadLine]]:
+def _is_json_array(path: str) -> bool:
     """A ``.json`` file is either JSON lines or one JSON array of objects (common for Alpaca data)."""
     with fsspec.open(path, "rb", compression="infer") as handle:
         head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    if not head.startswith(b"["):
-        yield from _iter_json_lines(path, report)
-        return
+    return head.startswith(b"[")
+
+
+def _iter_json_array_file(path: str) -> Iterator[tuple[int, dict | BadLine]]:
     with fsspec.open(path, "rb", compression="infer") as handle:
         data = handle.read()
     try:
@@ -222,27 +258,86 @@ def _iter_saved_dataset(path: str) -> Iterator[tuple[int, dict]]:
     yield from enumerate(loaded, start=1)
 
 
-def _iter_source(path: str, report: ReadReport | None = None) -> Iterator[tuple[int, dict | _BadLine]]:
+def is_record_source(path: str) -> bool:
+    """Whether ``path`` names something ``iter_raw_records`` reads: a record file suffix or a directory."""
+    fs, local = fsspec.core.url_to_fs(str(path))
+    return _suffix(str(path)) in RECORD_SUFFIXES or fs.isdir(local)
+
+
+def _kind_of_source(path: str) -> str:
     fs, local = fsspec.core.url_to_fs(path)
     if fs.isdir(local):
-        return _iter_saved_dataset(path)
+        return "dataset"
     if not fs.exists(local):
         raise FileNotFoundError(f"{path}: no such file or directory")
     suffix = _suffix(path)
     if suffix == ".parquet":
-        return _iter_parquet(path)
+        return "parquet"
     if suffix == ".json":
-        return _iter_json_file(path, report)
-    if suffix in (".jsonl", ".ndjson"):
-        return _iter_json_lines(path, report)
+        return "json_array" if _is_json_array(path) else "json_lines"
+    if suffix in LINE_SUFFIXES:
+        return "json_lines"
     raise DataError(path, None, None, f"unsupported file type {suffix or '(no suffix)'!r}; expected .jsonl, "
                     ".json, .parquet (optionally .gz) or a directory saved by datasets.save_to_disk")
 
 
+def source_layout(path: str) -> Layout:
+    """``"lines"`` for JSON lines (one record per text line: ``iter_lines`` reads them), ``"rows"`` for
+    Parquet, saved datasets and JSON arrays. ``FileNotFoundError`` / ``DataError`` as ``iter_raw_records``."""
+    return "lines" if _kind_of_source(str(path)) == "json_lines" else "rows"
+
+
+def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
+    """``(line, object or BadLine)`` for every line, row or array element of a record source, blank lines
+    included (as ``BLANK_LINE``). Raises ``FileNotFoundError``, or ``DataError`` for an unsupported file
+    type or a JSON array past a syntax error."""
+    path = str(path)
+    kind = _kind_of_source(path)
+    if kind == "dataset":
+        return _iter_saved_dataset(path)
+    if kind == "parquet":
+        return _iter_parquet(path)
+    if kind == "json_array":
+        return _iter_json_array_file(path)
+    return _iter_json_lines(path)
+
+
+def is_plain_jsonl(path: str) -> bool:
+    """A local, uncompressed JSON-lines file: a reader may split it by byte offset (``to_plain_jsonl`` makes one)."""
+    path = str(path)
+    fs, _ = fsspec.core.url_to_fs(path)
+    return _is_local(fs) and fsspec.utils.infer_compression(path) is None and source_layout(path) == "lines"
+
+
+def to_plain_jsonl(path: str, target: str) -> Iterator[tuple[int, int]]:
+    """Copy any record source to ``target`` as plain JSON lines, one line per input line, row or array
+    element; yield ``(source line, bytes written)`` for each. Lines of JSON-lines sources are copied byte
+    for byte (a bad line stays bad, for the reader of ``target`` to report); rows are written as JSON."""
+    path = str(path)
+    with open(target, "wb") as out:
+        if source_layout(path) == "lines":
+            for number, data in iter_lines(path):
+                out.write(data + b"\n")
+                yield number, len(data) + 1
+            return
+        for number, item in iter_raw_records(path):
+            if isinstance(item, BadLine):
+                data = item.raw.encode("utf-8", errors="backslashreplace") + b"\n"
+            else:
+                try:
+                    data = _json_line(item).encode("utf-8")
+                except UnicodeEncodeError:  # a lone surrogate from a JSON array: escaped, the reader rejects it
+                    data = (json.dumps(item, default=str) + "\n").encode("ascii")
+            out.write(data)
+            yield number, len(data)
+
+
 def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
     """Yield ``(line_number, object)`` for each non-blank line; raise ``DataError`` on a malformed line."""
-    for number, item in _iter_json_lines(str(path), None):
-        if isinstance(item, _BadLine):
+    for number, item in _iter_json_lines(str(path)):
+        if isinstance(item, BadLine):
+            if item.category == BLANK_LINE:
+                continue
             raise DataError(str(path), number, None, item.reason)
         yield number, item
 
@@ -256,27 +351,65 @@ def _json_line(row: Any) -> str:
     return json.dumps(row, ensure_ascii=False, default=str) + "\n"
 
 
-def write_jsonl(path: str, rows: Iterable[Any]) -> int:
-    """Write ``rows`` as JSON lines, replacing ``path``; return how many were written.
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
-    A local file is written to a temporary name and renamed into place, so a reader (or a crash) never
-    sees half a file; other fsspec URLs are written in one upload. ``.gz`` and friends compress.
+
+class JsonlWriter:
+    """Writes JSON lines to ``path``; on a clean ``close()`` the file replaces ``path`` in one step.
+
+    On local disk the lines go to a temporary name that is renamed into place, so a reader (or a crash)
+    never sees half a file; if the ``with`` block raises, the temporary file is removed and ``path`` is
+    untouched. Other fsspec URLs are written in one upload. ``.gz`` and friends compress.
     """
-    path = str(path)
-    fs, local = fsspec.core.url_to_fs(path)
-    is_local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    target = f"{local}.tmp{os.getpid()}" if is_local else path
-    if is_local:
-        os.makedirs(os.path.dirname(os.path.abspath(local)), exist_ok=True)
-    count = 0
-    compression = fsspec.utils.infer_compression(path)
-    with fsspec.open(target, "w", encoding="utf-8", compression=compression) as handle:
+
+    def __init__(self, path: str):
+        self.path = str(path)
+        fs, self._local = fsspec.core.url_to_fs(self.path)
+        self._is_local = _is_local(fs)
+        self._target = f"{self._local}.tmp{os.getpid()}" if self._is_local else self.path
+        if self._is_local:
+            os.makedirs(os.path.dirname(os.path.abspath(self._local)), exist_ok=True)
+        compression = fsspec.utils.infer_compression(self.path)
+        self._handle = fsspec.open(self._target, "w", encoding="utf-8", compression=compression).open()
+        self.count = 0
+
+    def write(self, row: Any) -> None:
+        self._handle.write(_json_line(row))
+        self.count += 1
+
+    def write_all(self, rows: Iterable[Any]) -> None:
         for row in rows:
-            handle.write(_json_line(row))
-            count += 1
-    if is_local:
-        os.replace(target, local)
-    return count
+            self.write(row)
+
+    def close(self, keep: bool = True) -> None:
+        if self._handle is None:
+            return
+        self._handle.close()
+        self._handle = None
+        if self._is_local:
+            if keep:
+                os.replace(self._target, self._local)
+            else:
+                os.remove(self._target)
+
+    def __enter__(self) -> JsonlWriter:
+        return self
+
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(keep=exc_type is None)
+
+
+def jsonl_writer(path: str) -> JsonlWriter:
+    """A ``JsonlWriter`` for ``path``, for rows that arrive over time: ``with jsonl_writer(p) as out: out.write(row)``."""
+    return JsonlWriter(path)
+
+
+def write_jsonl(path: str, rows: Iterable[Any]) -> int:
+    """Write ``rows`` as JSON lines, replacing ``path`` atomically on local disk; return how many were written."""
+    with jsonl_writer(path) as out:
+        out.write_all(rows)
+    return out.count
 
 
 def append_jsonl(path: str, rows: Iterable[Any]) -> int:
@@ -290,7 +423,6 @@ def append_jsonl(path: str, rows: Iterable[Any]) -> int:
             handle.write(_json_line(row))
             count += 1
     return count
-
 
 
 # ------------------------------------------------------------------------------------------ reading
@@ -308,19 +440,11 @@ class _Quarantine:
         if self._handle is None:
             self._handle = fsspec.open(self.path, "a", encoding="utf-8").open()
         entry = {"file": self.source, "line": line, "field": error.field, "reason": error.reason, "raw": raw}
-        self._handle.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+        self._handle.write(_json_line(entry))
 
     def close(self) -> None:
         if self._handle is not None:
             self._handle.close()
-
-
-def _convert(item: dict, fmt: str, kind: str | None) -> tuple[Record, str]:
-    used = detect_format(item) if fmt == "auto" else fmt
-    if kind is not None and FORMAT_KIND[used] != kind:
-        raise FormatError(None, f"a {FORMAT_KIND[used]!r} record (format {used!r}) where {kind!r} records "
-                          f"are expected", WRONG_KIND)
-    return to_record(item, used), used
 
 
 def read_records(
@@ -349,21 +473,24 @@ def read_records(
     report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None)
     quarantine = _Quarantine(path, report.quarantine_path)
     records: list[Record] = []
-    rows = tqdm(_iter_source(path, report), desc=f"reading {PurePosixPath(path).name}", unit=" rec",
-                disable=None if progress else True, leave=False)
+    rows = progress_bar(iter_raw_records(path), desc=f"reading {PurePosixPath(path).name}", unit="rec",
+                        disable=not progress)
     try:
         for line, item in rows:
+            if isinstance(item, BadLine) and item.category == BLANK_LINE:
+                report.blank_lines += 1  # holds no record: not counted as read
+                continue
             report.read += 1
             try:
-                if isinstance(item, _BadLine):
+                if isinstance(item, BadLine):
                     raise FormatError(None, item.reason, item.category)
-                record, used = _convert(item, fmt, kind)
+                record, used = convert(item, fmt, kind)
             except FormatError as exc:
                 error = DataError(path, line, exc.field, exc.reason)
                 if on_error == "raise":
                     raise error from None
                 report.add_bad(exc.category, line)
-                quarantine.write(line, error, item.raw if isinstance(item, _BadLine) else item)
+                quarantine.write(line, error, item.raw if isinstance(item, BadLine) else item)
                 continue
             report.accepted += 1
             report.formats[used] += 1
@@ -371,6 +498,7 @@ def read_records(
             records.append(record)
     finally:
         quarantine.close()
+    rows.close()  # only a finished read reports "done"
     assert report.read == report.accepted + report.quarantined, report.summary()
     # Quarantined records are a warning, so they show even where nobody configured logging.
     logger.log(logging.WARNING if report.quarantined else logging.INFO, report.summary())
@@ -393,10 +521,8 @@ def write_records(path: str, records: Iterable[Record]) -> None:
     """Write records to ``.jsonl`` (``.jsonl.gz``) or ``.parquet`` by suffix; ``read_records`` reads them back."""
     path = str(path)
     suffix = _suffix(path)
-    if suffix in (".jsonl", ".ndjson"):
-        with fsspec.open(path, "w", encoding="utf-8", compression="infer") as handle:
-            for record in records:
-                handle.write(json.dumps(record_to_raw(record), ensure_ascii=False) + "\n")
+    if suffix in LINE_SUFFIXES:
+        write_jsonl(path, (record_to_raw(record) for record in records))
     elif suffix == ".parquet":
         import pyarrow as pa
         import pyarrow.parquet as pq

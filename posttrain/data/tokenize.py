@@ -1,24 +1,32 @@
 """Chat-template tokenisation with assistant-only loss masks that do not need ``{% generation %}``.
 
-How the mask is found, for any chat template that renders a conversation as a growing string:
+Rendering and encoding live in ``posttrain.data.chat`` (shared with generation); this module finds
+which tokens to train. For each trained assistant message ``i``:
 
-1. Render the whole conversation once as text (``apply_chat_template(tokenize=False)``).
-2. For each trained assistant message ``i``, render ``messages[:i]`` with ``add_generation_prompt=True``
-   (the text up to where the model starts writing) and ``messages[:i+1]`` (the text after its turn).
-   The characters between the two are the assistant's turn: its content plus the template's
-   end-of-turn text. The span ends just after the tokenizer's EOS string when the turn contains it,
-   otherwise at the turn's text with trailing whitespace removed (so ``<|im_end|>`` is trained, the
-   newline the template puts between turns is not).
-3. Tokenise the full text once with ``return_offsets_mapping`` and label every token that has at
-   least one character inside a span (``labels = input_ids`` there, ``IGNORE_INDEX`` elsewhere). A
-   token that straddles the span's start (BPE merged the template's ``" "`` with the first word, as
-   in ``"assistant: The"`` → ``" The"``) is trained: dropping it would never train the first word.
-
-The method needs the template to be *prefix-consistent*: each shorter rendering must be a prefix of
-the longer ones. Templates that rewrite earlier turns (e.g. dropping past reasoning) are not, and
-raise ``TemplateError`` rather than produce a wrong mask. Special tokens are not added a second
-time: the rendered text is tokenised with ``add_special_tokens=False``, and the tokenizer's BOS is
-prepended only when the tokenizer would add one and the template did not render it.
+1. Render ``messages[:i]`` with ``add_generation_prompt=True`` (the *prompt*: the text up to where the
+   model starts writing) and ``messages[:i+1]`` without it (the turn's *own view*: the conversation as
+   the template shows it right after the model wrote turn ``i``). The prompt must be a prefix of the own
+   view, or the template renders a turn differently when it is generated than when it is history and
+   no mask is right: ``TemplateError``.
+2. The trained text starts where the prompt ends and ends just after the template's end-of-turn text
+   (``chat_facts(tokenizer).end_of_turn``, found from the template itself: ``<|im_end|>``,
+   ``<|eot_id|>``, ``<|end|>``, ``</s>``, ``<end_of_turn>`` …, whether or not it is the tokenizer's EOS).
+   What the template appends after the last message only (its *tail*, e.g. Phi-3's EOS) and the
+   whitespace between turns are not trained. If the probe conversation cannot be rendered, the turn
+   ends after the tokenizer's EOS when the turn contains it, else at its last non-space character.
+3. The turn goes into the first *row* whose text agrees with its own view up to the turn's end; the
+   first row is the whole conversation rendered once. Templates that render every turn the same way
+   later on (most) give one row per chat. Templates that rewrite earlier turns (Qwen3 strips the
+   reasoning of past assistant turns) give a turn that the whole rendering shows differently a row of
+   its own: its own view, so every turn is trained on exactly the text the model saw and wrote when it
+   produced it. ``tokenize_chat_rows`` and ``tokenize_records`` return such rows; ``tokenize_chat`` and
+   ``tokenize_prompt_completion`` return one example and raise ``TemplateError`` when one is not enough.
+4. Each row is encoded once (``chat.encode_at_cuts``, cut where each trained turn starts, so the ids
+   before a turn are the ids of its prompt encoded alone: ``chat.encode_prompt(prompt)`` is exactly the
+   part of ``tokenize_prompt_completion(prompt, completion).input_ids`` before the first trained token), and
+   every token with a character inside a trained span is labelled (``labels = input_ids`` there,
+   ``IGNORE_INDEX`` elsewhere). The tokenizer's implicit BOS is prepended when the template did not
+   render it; special tokens are never added twice.
 
 Truncation is explicit and counted (``TokenizedExample.truncated``, ``TokenizeReport``):
 
@@ -36,10 +44,20 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from tqdm import tqdm
-
+from posttrain.data import chat as chat_text
+from posttrain.data.chat import (
+    ChatFacts,
+    Segment,
+    TemplateError,
+    as_message_dicts,
+    chat_facts,
+    encode_at_cuts,
+    render_chats,
+    with_implicit_prefix,
+)
 from posttrain.data.records import Message, PreferencePair, SFTExample, stable_id
 from posttrain.models.logprobs import IGNORE_INDEX
+from posttrain.progress import progress as progress_bar
 
 TruncationSide = Literal["left", "right"]
 
@@ -49,15 +67,12 @@ __all__ = [
     "TokenizedExample",
     "TokenizeReport",
     "tokenize_chat",
+    "tokenize_chat_rows",
     "tokenize_prompt_completion",
     "tokenize_preference",
     "tokenize_records",
     "render_prompt",
 ]
-
-
-class TemplateError(ValueError):
-    """The chat template cannot be used to locate assistant turns (not prefix-consistent)."""
 
 
 @dataclass
@@ -81,7 +96,7 @@ class TokenizedExample:
 class TokenizeReport:
     """Counts for a tokenised dataset: how many examples were truncated and how many tokens that cost."""
 
-    examples: int = 0
+    examples: int = 0  # rows produced (more than records when a template rewrites earlier turns)
     truncated: int = 0
     tokens: int = 0
     tokens_dropped: int = 0
@@ -90,94 +105,143 @@ class TokenizeReport:
     max_length: int = 0
     truncation_side: str = "right"
     lengths: list[int] = field(default_factory=list, repr=False)  # untruncated lengths
+    records: int = 0
 
     def summary(self) -> str:
-        text = (f"tokenised {self.examples} examples: {self.tokens} tokens, {self.target_tokens} trained; "
-                f"truncated {self.truncated} at max_length {self.max_length} ({self.truncation_side} side, "
-                f"{self.tokens_dropped} tokens dropped)")
+        text = f"tokenised {self.examples} examples"
+        if self.examples != self.records:
+            text += (f" from {self.records} records ({self.examples - self.records} extra rows: the chat template "
+                     "rewrites earlier turns, so those turns are trained on their own rendering)")
+        text += (f": {self.tokens} tokens, {self.target_tokens} trained; truncated {self.truncated} at max_length "
+                 f"{self.max_length} ({self.truncation_side} side, {self.tokens_dropped} tokens dropped)")
         if self.no_targets:
             text += f"; {self.no_targets} example(s) have no trained token left"
         return text
 
 
-# ------------------------------------------------------------------------------------- rendering
-
-
-def _as_dicts(messages: Sequence[Message | dict[str, Any]]) -> list[dict[str, Any]]:
-    out = []
-    for message in messages:
-        if isinstance(message, Message):
-            out.append({"role": message.role, "content": message.content})
-        elif isinstance(message, dict) and "role" in message and "content" in message:
-            out.append(dict(message))
-        else:
-            raise TypeError(f"expected a Message or a {{'role', 'content'}} dict, got {message!r}")
-    return out
-
-
-def _render(tokenizer, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
-    if not isinstance(text, str):
-        raise TemplateError(f"apply_chat_template(tokenize=False) returned {type(text).__name__}, not text")
-    return text
-
-
 def render_prompt(messages: Sequence[Message | dict[str, Any]], tokenizer) -> str:
-    """The text a model continues from to answer ``messages`` (the template's generation prompt included)."""
-    return _render(tokenizer, _as_dicts(messages), add_generation_prompt=True)
+    """The text a model continues from to answer ``messages``; ``posttrain.data.chat.render_prompt`` with
+    this module's historical argument order (messages first)."""
+    return chat_text.render_prompt(tokenizer, list(messages))
 
 
-def _turn_end(turn: str, eos_token: str | None) -> int:
-    """Where a rendered assistant turn stops being a training target (see the module docstring)."""
-    if eos_token and eos_token in turn:
-        return turn.index(eos_token) + len(eos_token)
-    return len(turn.rstrip())
+# ------------------------------------------------------------------------------------- planning
 
 
-def _assistant_spans(tokenizer, messages: list[dict[str, Any]], trained: Sequence[int], full: str
-                     ) -> list[tuple[int, int]]:
-    """Character spans ``[start, end)`` in ``full`` of the assistant turns at indices ``trained``."""
-    spans = []
-    for index in trained:
-        before = _render(tokenizer, messages[:index], add_generation_prompt=True)
-        after = _render(tokenizer, messages[: index + 1], add_generation_prompt=False)
-        if not after.startswith(before) or not full.startswith(after):
-            raise TemplateError(
-                f"the chat template is not prefix-consistent at message {index}: rendering the conversation "
-                "up to a turn is not a prefix of rendering it further, so assistant turns cannot be located "
-                "by text. Use a template that renders earlier turns identically (or one without per-turn "
-                "rewriting, e.g. of reasoning content)."
-            )
-        end = len(before) + _turn_end(after[len(before):], getattr(tokenizer, "eos_token", None))
-        if end > len(before):
-            spans.append((len(before), end))
-    return spans
+@dataclass
+class _Conversation:
+    """A conversation to tokenise and the indices of the assistant messages to train."""
+
+    messages: list[dict[str, Any]]
+    trained: list[int]
+    id: str
+    tier: int | None = None
+    difficulty: float | None = None
 
 
-def _implicit_prefix(tokenizer) -> list[int]:
-    """Tokens the tokenizer puts in front of plain text on its own (usually ``[bos]``, often nothing).
+@dataclass
+class _Row:
+    """One rendering of a chat and the character spans ``[start, end)`` of the turns trained on it."""
 
-    Computed per call (or per ``tokenize_records`` batch), never cached globally, so a tokenizer whose
-    post-processor changes is never answered from a stale cache.
-    """
-    plain = tokenizer("a", add_special_tokens=False)["input_ids"]
-    with_special = tokenizer("a", add_special_tokens=True)["input_ids"]
-    if len(with_special) > len(plain) and with_special[len(with_special) - len(plain):] == plain:
-        return list(with_special[: len(with_special) - len(plain)])
-    return []
+    text: str
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)  # message index of each span
 
 
-def _encode(tokenizer, texts: list[str]) -> list[tuple[list[int], list[tuple[int, int]]]]:
-    """``(ids, char offsets)`` per text, one batched call (the Rust tokenizer parallelises batches)."""
-    if not getattr(tokenizer, "is_fast", False):
-        raise TemplateError(f"{type(tokenizer).__name__} is not a fast tokenizer; loss masks need offset mappings")
-    encoded = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)
-    return [(list(ids), offsets) for ids, offsets in zip(encoded["input_ids"], encoded["offset_mapping"], strict=True)]
+def _as_chat(record_or_messages: SFTExample | Sequence[Message | dict[str, Any]]) -> _Conversation:
+    if isinstance(record_or_messages, SFTExample):
+        record = record_or_messages
+        messages = as_message_dicts(record.messages)
+        example_id, tier, difficulty = record.id, record.tier, record.difficulty
+    else:
+        messages = as_message_dicts(record_or_messages)
+        example_id, tier, difficulty = stable_id(messages, "sft-"), None, None
+    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return _Conversation(messages, trained, example_id, tier, difficulty)
 
 
-def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]], prefix: list[int]
-          ) -> tuple[list[int], list[int]]:
-    """Labels for ``ids``: the token id where the token overlaps a span, ``IGNORE_INDEX`` elsewhere."""
+def _turn_end(turn: str, facts: ChatFacts, eos_token: str | None) -> int | None:
+    """Where the trained text of an assistant turn (rendered as the last message, from the end of its
+    prompt on) stops; ``None`` when the turn lacks the template's end-of-turn text."""
+    if facts.tail and turn.endswith(facts.tail):
+        turn = turn[: len(turn) - len(facts.tail)]
+    if facts.end_of_turn is None:  # the template refused the probe conversation
+        if eos_token and eos_token in turn:
+            return turn.index(eos_token) + len(eos_token)
+        return len(turn.rstrip())
+    if not facts.end_of_turn:  # the template writes nothing after a turn but whitespace
+        return len(turn.rstrip())
+    at = turn.rfind(facts.end_of_turn)
+    return None if at < 0 else at + len(facts.end_of_turn)
+
+
+def _place_turn(rows: list[_Row], conversation: _Conversation, index: int, prompt: str, view: str,
+                facts: ChatFacts, eos_token: str | None) -> None:
+    """Add assistant turn ``index`` (its prompt and own view rendered) to the first row that shows it as its
+    own view does, or to a new row holding its own view."""
+    if not view.startswith(prompt):
+        raise TemplateError(
+            f"the chat template is not prefix-consistent at message {index} of {conversation.id}: the prompt "
+            "(the conversation before the turn, with the generation prompt) is not a prefix of the "
+            "conversation rendered through the turn, so the template renders a turn differently when it "
+            "is generated than when it is history and no loss mask matches what the model would see."
+        )
+    end = _turn_end(view[len(prompt):], facts, eos_token)
+    if end is None:
+        raise TemplateError(
+            f"assistant message {index} of {conversation.id} does not end with the template's end-of-turn text "
+            f"{facts.end_of_turn!r} (found by rendering a probe conversation), so where its trained text "
+            "stops is unknown."
+        )
+    start, end = len(prompt), len(prompt) + end
+    if end == start:
+        return  # an empty turn with no end-of-turn text: nothing to train
+    for row in rows:
+        if row.text.startswith(view[:end]):
+            row.spans.append((start, end))
+            row.turns.append(index)
+            return
+    rows.append(_Row(view, [(start, end)], [index]))
+
+
+def _plan_rows(tokenizer, conversations: list[_Conversation], facts: ChatFacts) -> list[list[_Row]]:
+    """The rows of each chat. Renders each chat once whole, and each trained turn's prompt and (unless
+    the turn is the last message, whose view is the whole chat) its own view, in two batched calls."""
+    prompts, prompt_names, views, view_names = [], [], [], []
+    for conversation in conversations:
+        views.append(conversation.messages)
+        view_names.append(f"{conversation.id} (whole chat)")
+        for index in conversation.trained:
+            if index == 0:
+                raise TemplateError(
+                    f"message 0 of {conversation.id} is an assistant turn: there is no prompt before it to render, so "
+                    "where its text starts is unknown. Put the user message it answers before it, or drop it."
+                )
+            prompts.append(conversation.messages[:index])
+            prompt_names.append(f"{conversation.id} messages[:{index}] (with the generation prompt)")
+            if index + 1 < len(conversation.messages):
+                views.append(conversation.messages[: index + 1])
+                view_names.append(f"{conversation.id} messages[:{index + 1}]")
+    prompt_texts = iter(render_chats(tokenizer, prompts, True, prompt_names))
+    view_texts = iter(render_chats(tokenizer, views, False, view_names))
+    eos_token = getattr(tokenizer, "eos_token", None)
+    planned = []
+    for conversation in conversations:
+        rows = [_Row(next(view_texts))]
+        for index in conversation.trained:
+            prompt = next(prompt_texts)
+            view = next(view_texts) if index + 1 < len(conversation.messages) else rows[0].text
+            _place_turn(rows, conversation, index, prompt, view, facts, eos_token)
+        with_turns = sorted((row for row in rows if row.spans), key=lambda row: row.turns[0])
+        planned.append(with_turns or rows[:1])
+    return planned
+
+
+# ------------------------------------------------------------------------------------- encoding
+
+
+def _label_segment(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[int]:
+    """The token id where a token overlaps one of ``spans`` (same coordinates as ``offsets``), else ignored."""
     labels = [IGNORE_INDEX] * len(ids)
     span_index = 0
     for position, (start, end) in enumerate(offsets):
@@ -188,15 +252,34 @@ def _mask(ids: list[int], offsets: list[tuple[int, int]], spans: list[tuple[int,
             break
         if start < spans[span_index][1] and end > spans[span_index][0]:
             labels[position] = ids[position]
-    if prefix and ids[: len(prefix)] != prefix:
-        ids = prefix + ids
-        labels = [IGNORE_INDEX] * len(prefix) + labels
-    return ids, labels
+    return labels
 
 
-def _encode_with_mask(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[int]]:
-    [(ids, offsets)] = _encode(tokenizer, [text])
-    return _mask(ids, offsets, spans, _implicit_prefix(tokenizer))
+def _mask(segments: list[Segment], spans: list[tuple[int, int]], prefix: Sequence[int]
+          ) -> tuple[list[int], list[int]]:
+    """``(input_ids, labels)`` of an encoded row: labels on the tokens that overlap a span, the implicit
+    prefix (BOS) in front, untrained, unless the rendering starts with it."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for seg_start, seg_ids, offsets in segments:
+        seg_end = seg_start + (offsets[-1][1] if offsets else 0)
+        local = [(start - seg_start, end - seg_start) for start, end in spans if start < seg_end and end > seg_start]
+        ids += seg_ids
+        labels += _label_segment(seg_ids, offsets, local) if local else [IGNORE_INDEX] * len(seg_ids)
+    full_ids = with_implicit_prefix(ids, prefix)
+    return full_ids, [IGNORE_INDEX] * (len(full_ids) - len(ids)) + labels
+
+
+def _encode_rows(tokenizer, rows: list[_Row], facts: ChatFacts) -> list[tuple[list[int], list[int]]]:
+    """``(input_ids, labels)`` for each row, in one batched encoding."""
+    encoded = encode_at_cuts(tokenizer, [row.text for row in rows],
+                                  [[start for start, _ in row.spans] for row in rows], facts)
+    return [_mask(segments, row.spans, facts.implicit_prefix) for row, segments in zip(rows, encoded, strict=True)]
+
+
+def _row_id(conversation: _Conversation, row: _Row, rows: list[_Row]) -> str:
+    """The chat's id, or ``<id>/turn<i>`` (``i``: the first message it trains) when the chat has several rows."""
+    return conversation.id if len(rows) == 1 else f"{conversation.id}/turn{row.turns[0]}"
 
 
 def _check_side(truncation_side: str) -> None:
@@ -204,25 +287,48 @@ def _check_side(truncation_side: str) -> None:
         raise ValueError(f"truncation_side must be 'left' or 'right', got {truncation_side!r}")
 
 
-# ------------------------------------------------------------------------------------- public API
-
-
-def _chat_plan(record_or_messages, tokenizer) -> tuple[str, list[tuple[int, int]], str, int | None, float | None]:
-    """The rendered chat, its assistant spans, and the record's id/tier/difficulty."""
-    if isinstance(record_or_messages, SFTExample):
-        record = record_or_messages
-        messages, example_id, tier, difficulty = _as_dicts(record.messages), record.id, record.tier, record.difficulty
-    else:
-        messages = _as_dicts(record_or_messages)
-        example_id, tier, difficulty = stable_id(messages, "sft-"), None, None
-    full = _render(tokenizer, messages, add_generation_prompt=False)
-    trained = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
-    return full, _assistant_spans(tokenizer, messages, trained, full), example_id, tier, difficulty
-
-
 def _truncate_chat(ids: list[int], labels: list[int], max_length: int, side: str) -> tuple[list[int], list[int]]:
     keep = slice(0, max_length) if side == "right" else slice(len(ids) - max_length, None)
     return ids[keep], labels[keep]
+
+
+def _tokenize_chats(tokenizer, conversations: list[_Conversation], max_length: int, truncation_side: str,
+                    facts: ChatFacts) -> list[list[tuple[TokenizedExample, int]]]:
+    """The rows of each chat as ``(example, untruncated length)``, truncated as SFT conversations are."""
+    planned = _plan_rows(tokenizer, conversations, facts)
+    encoded = iter(_encode_rows(tokenizer, [row for rows in planned for row in rows], facts))
+    out = []
+    for conversation, rows in zip(conversations, planned, strict=True):
+        examples = []
+        for row in rows:
+            ids, labels = next(encoded)
+            length, truncated = len(ids), len(ids) > max_length
+            if truncated:
+                ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
+            example_id = _row_id(conversation, row, rows)
+            example = TokenizedExample(ids, labels, truncated, example_id, conversation.tier, conversation.difficulty)
+            examples.append((example, length))
+        out.append(examples)
+    return out
+
+
+# ------------------------------------------------------------------------------------- public API
+
+
+def tokenize_chat_rows(
+    record_or_messages: SFTExample | Sequence[Message | dict[str, Any]],
+    tokenizer,
+    max_length: int,
+    truncation_side: TruncationSide = "right",
+) -> list[TokenizedExample]:
+    """Tokenise a chat into training rows: one row for templates that render earlier turns the same way
+    later (most), one more per turn the template rewrites once later turns follow (see the module
+    docstring). Each row trains its assistant turns (content + end-of-turn token); ids are the record's
+    id, or ``<id>/turn<i>`` when there are several rows."""
+    _check_side(truncation_side)
+    [rows] = _tokenize_chats(tokenizer, [_as_chat(record_or_messages)], max_length, truncation_side,
+                             chat_facts(tokenizer))
+    return [example for example, _ in rows]
 
 
 def tokenize_chat(
@@ -231,14 +337,19 @@ def tokenize_chat(
     max_length: int,
     truncation_side: TruncationSide = "right",
 ) -> TokenizedExample:
-    """Tokenise a chat through the tokenizer's template; train on every assistant turn (content + end token)."""
-    _check_side(truncation_side)
-    full, spans, example_id, tier, difficulty = _chat_plan(record_or_messages, tokenizer)
-    ids, labels = _encode_with_mask(tokenizer, full, spans)
-    truncated = len(ids) > max_length
-    if truncated:
-        ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
-    return TokenizedExample(ids, labels, truncated, example_id, tier, difficulty)
+    """Tokenise a chat through the tokenizer's template; train on every assistant turn (content + end token).
+
+    Raises ``TemplateError`` when the template rewrites earlier turns so that one row cannot train every
+    turn on its own view; ``tokenize_chat_rows`` (or ``tokenize_records``) returns the rows then.
+    """
+    rows = tokenize_chat_rows(record_or_messages, tokenizer, max_length, truncation_side)
+    if len(rows) > 1:
+        raise TemplateError(
+            f"{rows[0].id.rsplit('/', 1)[0]}: the chat template renders earlier assistant turns differently once "
+            f"later turns follow (e.g. it strips their reasoning), so this chat needs {len(rows)} training rows, "
+            f"one per view ({', '.join(row.id for row in rows)}); use tokenize_chat_rows or tokenize_records."
+        )
+    return rows[0]
 
 
 def tokenize_prompt_completion(
@@ -253,16 +364,24 @@ def tokenize_prompt_completion(
 ) -> TokenizedExample:
     """Tokenise ``prompt + completion``; labels only on the completion's assistant turns.
 
-    Truncation keeps the completion and cuts the prompt first (see the module docstring).
+    Untruncated, the ids before the first trained token are ``posttrain.data.chat.encode_prompt(tokenizer, prompt)``:
+    the ids generation samples the completion from. Truncation keeps the completion and cuts the prompt
+    first (see the module docstring).
     """
     _check_side(truncation_side)
-    prompt, completion = _as_dicts(prompt_messages), _as_dicts(completion_messages)
-    messages = prompt + completion
-    full = _render(tokenizer, messages, add_generation_prompt=False)
-    trained = [len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant"]
-    ids, labels = _encode_with_mask(tokenizer, full, _assistant_spans(tokenizer, messages, trained, full))
+    prompt, completion = as_message_dicts(prompt_messages), as_message_dicts(completion_messages)
     if example_id is None:
         example_id = stable_id([prompt, completion], "pc-")
+    trained = [len(prompt) + i for i, m in enumerate(completion) if m["role"] == "assistant"]
+    facts = chat_facts(tokenizer)
+    [rows] = _plan_rows(tokenizer, [_Conversation(prompt + completion, trained, example_id)], facts)
+    if len(rows) > 1:
+        raise TemplateError(
+            f"{example_id}: the chat template renders the completion's earlier assistant turns differently once "
+            "later turns follow, so one sequence cannot train each on its own view; give a completion with "
+            "one assistant turn."
+        )
+    [(ids, labels)] = _encode_rows(tokenizer, rows, facts)
     truncated = len(ids) > max_length
     if truncated:
         first_target = next((i for i, label in enumerate(labels) if label != IGNORE_INDEX), len(ids))
@@ -299,32 +418,30 @@ def tokenize_records(
     progress: bool = True,
     batch_size: int = 256,
 ) -> tuple[list[TokenizedExample], TokenizeReport]:
-    """Tokenise SFT records (same result as ``tokenize_chat`` on each) with a progress bar, encoding
-    ``batch_size`` chats per tokenizer call; the report counts truncation (nothing is dropped)."""
+    """Tokenise SFT records (the same rows as ``tokenize_chat_rows`` on each, in record order) with a
+    progress bar, rendering and encoding ``batch_size`` conversations per call; the report counts truncation and
+    rows (nothing is dropped)."""
     _check_side(truncation_side)
     report = TokenizeReport(max_length=max_length, truncation_side=truncation_side)
     examples: list[TokenizedExample] = []
     records = list(records)
-    prefix = _implicit_prefix(tokenizer)
-    bar = tqdm(total=len(records), desc="tokenising", unit=" ex", disable=None if progress else True, leave=False)
+    facts = chat_facts(tokenizer)
+    bar = progress_bar(total=len(records), desc="tokenising", unit="ex", disable=not progress)
     for start in range(0, len(records), batch_size):
-        plans = [_chat_plan(record, tokenizer) for record in records[start : start + batch_size]]
-        encoded = _encode(tokenizer, [plan[0] for plan in plans])
-        for (_, spans, example_id, tier, difficulty), (raw_ids, offsets) in zip(plans, encoded, strict=True):
-            ids, labels = _mask(raw_ids, offsets, spans, prefix)
-            report.lengths.append(len(ids))
-            truncated = len(ids) > max_length
-            if truncated:
-                report.truncated += 1
-                report.tokens_dropped += len(ids) - max_length
-                ids, labels = _truncate_chat(ids, labels, max_length, truncation_side)
-            example = TokenizedExample(ids, labels, truncated, example_id, tier, difficulty)
-            report.examples += 1
-            report.tokens += len(example)
-            targets = example.num_targets
-            report.target_tokens += targets
-            report.no_targets += targets == 0
-            examples.append(example)
-        bar.update(len(plans))
+        conversations = [_as_chat(record) for record in records[start : start + batch_size]]
+        for rows in _tokenize_chats(tokenizer, conversations, max_length, truncation_side, facts):
+            report.records += 1
+            for example, length in rows:
+                report.lengths.append(length)
+                if example.truncated:
+                    report.truncated += 1
+                    report.tokens_dropped += length - max_length
+                report.examples += 1
+                report.tokens += len(example)
+                targets = example.num_targets
+                report.target_tokens += targets
+                report.no_targets += targets == 0
+                examples.append(example)
+        bar.update(len(conversations))
     bar.close()
     return examples, report

@@ -57,7 +57,7 @@ class EvalItem(BaseModel):
 
     @classmethod
     def from_rl_prompt(cls, record: RLPrompt, verifier: str | None = None) -> EvalItem:
-        """An RL prompt (``posttrain.data.records.RLPrompt``) as an eval item, e.g. to score GRPO rollouts."""
+        """An RL prompt (``posttrain.data.records.RLPrompt``) as an eval item, e.g. to score sampled rollouts."""
         name = verifier or record.verifier
         if not name:
             raise ValueError(f"RL prompt {record.id} names no verifier")

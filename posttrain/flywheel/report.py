@@ -13,14 +13,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+from posttrain.data.io import read_jsonl
+
 MODELS = ("base", "sft", "dpo")
 COLORS = {"base": "#9aa5b1", "sft": "#3d7ddb", "dpo": "#e0662b"}
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_jsonl(str(path)) if path.exists() else []
 
 
 def _steps(path: Path) -> list[dict[str, Any]]:

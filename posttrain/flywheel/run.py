@@ -40,25 +40,19 @@ def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any]) -> N
         raise RuntimeError(f"stage {name} failed with exit code {code}")
 
 
-def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
-
-
 def stage_data(config: FlywheelRecipe, out: Path) -> dict[str, Any]:
-    from posttrain.data.io import write_records
+    from posttrain.data.io import write_jsonl, write_records
     from posttrain.tasks.corpus import pretrain_corpus
     from posttrain.tasks.emit import flywheel_suite, rl_prompts
     from posttrain.tasks.pool import raw_pool
 
     pool = raw_pool(config.data.raw_pool, config.seed, preamble_share=config.data.preamble_share)
-    write_jsonl(out / "raw.jsonl", pool)
+    write_jsonl(str(out / "raw.jsonl"), pool)
     write_records(str(out / "prompts.jsonl"), rl_prompts(config.data.rl_prompts, config.seed + 1))
     corpus = pretrain_corpus(config.base.corpus_documents, config.seed)
     (out / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus) + "\n", encoding="utf-8")
     suite = flywheel_suite(n_per_cell=config.eval.n_per_cell, seed=config.seed)
-    write_jsonl(out / "suite.jsonl", [item.model_dump(mode="json") for item in suite.items])
+    write_jsonl(str(out / "suite.jsonl"), [item.model_dump(mode="json") for item in suite.items])
     (out / "suite_weights.json").write_text(json.dumps(suite.group_weights))
     return {
         "raw": str(out / "raw.jsonl"),
@@ -70,14 +64,13 @@ def stage_data(config: FlywheelRecipe, out: Path) -> dict[str, Any]:
 
 
 def stage_base(config: FlywheelRecipe, data: dict[str, Any], out: Path) -> dict[str, Any]:
+    from posttrain.data.io import iter_jsonl
     from posttrain.models.tiny import build_tiny_model
 
     corpus = Path(data["corpus"]).read_text(encoding="utf-8").splitlines()
     pool_texts = []
-    with open(data["raw"], encoding="utf-8") as handle:
-        for line in handle:
-            row = json.loads(line)
-            pool_texts += [row.get("prompt", ""), row.get("response", "")]
+    for _, row in iter_jsonl(data["raw"]):
+        pool_texts += [row.get("prompt", ""), row.get("response", "")]
     spec = config.base
     init = build_tiny_model(
         out / "init",

@@ -1,9 +1,10 @@
 """``posttrain generate --model DIR --prompts FILE -o OUT.jsonl``: sample completions for a file of prompts.
 
-Prompts file: ``.jsonl`` with one object per line holding ``prompt`` (a string or a list of messages) or
-``messages`` (a chat), and optionally ``id`` (default: the line number); or any other file with one raw
-prompt per line. Chats get the model's chat template; with ``--chat`` plain-string prompts are sent as a
-user turn too. Output: one line per prompt ``{"id", "prompt", "output", "completions": [{"text",
+Prompts file: records (``.jsonl``, ``.json``, ``.parquet``, optionally ``.gz``, or a saved dataset) in any
+format posttrain reads (``prompt`` as a string or messages, a ``messages`` chat whose last assistant reply is
+left out, Alpaca, preference pairs), optionally with ``id`` (default: the line number); or any other file
+with one raw prompt per line. Chats get the model's chat template; with ``--chat`` plain-string prompts are
+sent as a user turn too. Output: one line per prompt ``{"id", "prompt", "output", "completions": [{"text",
 "finish_reason", "num_tokens"}]}`` where ``output`` is the first completion — the format
 ``posttrain eval --outputs`` reads.
 """
@@ -11,12 +12,13 @@ user turn too. Output: one line per prompt ``{"id", "prompt", "output", "complet
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 from posttrain.data.errors import DataError
+from posttrain.data.formats import BLANK_LINE, UNKNOWN_FORMAT, FormatError, to_prompt
+from posttrain.data.io import BadLine, is_record_source, iter_lines, iter_raw_records, jsonl_writer
 from posttrain.data.records import Message
 
 
@@ -28,7 +30,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--model", required=True, help="HF-format model directory")
-    parser.add_argument("--prompts", required=True, help=".jsonl (prompt / messages / id) or one prompt per line")
+    parser.add_argument("--prompts", required=True,
+                        help="records (.jsonl/.json/.parquet: prompt / messages / id) or a text file, one prompt per line")
     parser.add_argument("-o", "--output", required=True, help="output JSONL")
     add_sampling_arguments(parser, default_temperature=1.0)
     parser.add_argument("--chat", action="store_true", help="send plain-string prompts as a user turn (chat template)")
@@ -71,39 +74,51 @@ def backend_from_args(args: argparse.Namespace):
 
 
 def read_prompts(path: str | Path) -> list[tuple[str, str | list[Message]]]:
-    """(id, prompt) pairs; every line is used or rejected with its line number."""
-    path = Path(path)
-    lines = path.read_text(encoding="utf-8").splitlines()
+    """(id, prompt) pairs; every line is used or rejected with its line number.
+
+    A record source (``.jsonl``, ``.json``, ``.parquet``, optionally compressed, or a saved dataset) is
+    read through ``posttrain.data``: each record gives its prompt (``formats.to_prompt``: an RL prompt,
+    a chat without its last assistant reply, a pair's prompt), kept as plain text when the record's
+    ``prompt`` is a string. Any other file holds one raw prompt per line.
+    """
+    path = str(path)
+    if not is_record_source(path):
+        return _text_prompts(path)
     prompts: list[tuple[str, str | list[Message]]] = []
-    if path.suffix != ".jsonl":
-        return [(str(number), line) for number, line in enumerate(lines, start=1) if line.strip()]
     seen: set[str] = set()
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
+    for number, item in iter_raw_records(path):
+        if isinstance(item, BadLine):
+            if item.category == BLANK_LINE:
+                continue
+            raise DataError(path, number, None, item.reason)
         try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            raise DataError(str(path), number, None, f"not valid JSON: {exc.msg}") from None
-        if not isinstance(data, dict):
-            raise DataError(str(path), number, None, "each line must be a JSON object")
-        prompt = data.get("prompt", data.get("messages"))
-        if prompt is None:
-            raise DataError(str(path), number, "prompt", "needs `prompt` (string or messages) or `messages`")
-        if isinstance(prompt, list):
-            try:
-                prompt = [Message.model_validate(m) for m in prompt]
-            except ValueError as exc:
-                raise DataError(str(path), number, "prompt", f"not a list of messages: {exc}") from None
-            if prompt and prompt[-1].role == "assistant":
-                raise DataError(str(path), number, "prompt", "the last message is an assistant turn; nothing to answer")
-        elif not isinstance(prompt, str) or not prompt.strip():
-            raise DataError(str(path), number, "prompt", "must be a non-empty string or a list of messages")
-        key = str(data.get("id", number))
+            record, _ = to_prompt(item)
+        except FormatError as exc:
+            if exc.category == UNKNOWN_FORMAT:  # what a prompt file lacks is the prompt
+                raise DataError(path, number, "prompt", "needs `prompt` (a string or messages) or `messages`; "
+                                f"{exc.reason}") from None  # fmt: skip
+            raise DataError(path, number, exc.field, exc.reason) from None
+        if record.prompt[-1].role == "assistant":
+            raise DataError(path, number, "prompt", "the last message is an assistant turn; nothing to answer")
+        text = item.get("prompt")
+        key = str(item["id"]) if item.get("id") is not None else str(number)
         if key in seen:
-            raise DataError(str(path), number, "id", f"duplicate id {key!r}")
+            raise DataError(path, number, "id", f"duplicate id {key!r}")
         seen.add(key)
-        prompts.append((key, prompt))
+        prompts.append((key, text if isinstance(text, str) else record.prompt))
+    return prompts
+
+
+def _text_prompts(path: str) -> list[tuple[str, str]]:
+    """One raw prompt per non-blank line, its id the line number."""
+    prompts = []
+    for number, data in iter_lines(path):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(path, number, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
+        if line.strip():
+            prompts.append((str(number), line))
     return prompts
 
 
@@ -123,12 +138,11 @@ def _generate(args: argparse.Namespace) -> int:
     results = backend.generate(inputs, params, batch_size=args.batch_size, progress=not args.quiet)
     elapsed = time.perf_counter() - started
     out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
     tokens = 0
-    with open(out, "w", encoding="utf-8") as handle:
+    with jsonl_writer(str(out)) as handle:
         for (key, prompt), completions in zip(prompts, results, strict=True):
             tokens += sum(len(c.token_ids) for c in completions)
-            record = {
+            handle.write({
                 "id": key,
                 "prompt": prompt if isinstance(prompt, str) else [m.model_dump() for m in prompt],
                 "output": completions[0].text,
@@ -136,8 +150,7 @@ def _generate(args: argparse.Namespace) -> int:
                     {"text": c.text, "finish_reason": c.finish_reason, "num_tokens": len(c.token_ids)}
                     for c in completions
                 ],
-            }
-            handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+            })  # fmt: skip
     print(f"{len(prompts)} prompts x {params.n} samples, {tokens} tokens in {elapsed:.1f}s "
           f"({tokens / max(elapsed, 1e-9):.1f} tokens/s) -> {out}", file=sys.stderr)
     return 0

@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
 import torch
-from tqdm.auto import tqdm
 
+# Prompts are rendered and encoded by posttrain.data.chat, the same code training uses, so the ids a
+# completion is sampled from are the ids training computes its log-probs after.
+from posttrain.data.chat import Prompt, chat_facts, encode_prompt, render_prompt
 from posttrain.data.records import Message
 from posttrain.generate.sampling import (
     apply_temperature,
@@ -29,8 +31,20 @@ from posttrain.generate.sampling import (
     row_seed,
     sample_inverse_cdf,
 )
+from posttrain.progress import progress as progress_bar
 
-Prompt = str | list[Message] | list[dict[str, str]]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "Completion",
+    "HFBackend",
+    "Prompt",
+    "SamplingParams",
+    "encode_prompt",
+    "get_backend",
+    "render_prompt",
+]
+
 FINISH_REASONS = ("stop", "length", "eos")
 
 
@@ -93,21 +107,6 @@ class Backend(Protocol):
         ...
 
 
-def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
-    """A chat (list of messages) gets the chat template with the assistant turn opened; a string is used as is."""
-    if isinstance(prompt, str):
-        return prompt
-    messages = [m.model_dump() if isinstance(m, Message) else dict(m) for m in prompt]
-    return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-
-
-def encode_prompt(tokenizer: Any, prompt: Prompt) -> list[int]:
-    if isinstance(prompt, str):
-        return list(tokenizer(prompt)["input_ids"])
-    # The chat template writes its own BOS; adding special tokens again would double it.
-    return list(tokenizer(render_prompt(tokenizer, prompt), add_special_tokens=False)["input_ids"])
-
-
 def cut_at_stop(text: str, stop: list[str]) -> tuple[str, bool]:
     """Cut ``text`` before the earliest stop string; return (text, whether one was found)."""
     cut = min((i for i in (text.find(s) for s in stop) if i >= 0), default=-1)
@@ -160,7 +159,8 @@ class HFBackend:
         was_training = getattr(self.model, "training", False)
         self.model.eval()
         try:
-            with torch.no_grad(), tqdm(total=len(rows), desc="generate", unit="seq", disable=not progress) as bar:
+            bar = progress_bar(total=len(rows), desc="generate", unit="seq", disable=not progress)
+            with torch.no_grad(), bar:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start : start + batch_size]
                     completions = self._generate_batch([encoded[p] for p, _ in chunk], chunk, params)
@@ -246,7 +246,9 @@ def _model_device(model: Any) -> torch.device:
 
 
 def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
-    ids: set[int] = set()
+    """Tokens that end a sequence: the tokenizer's EOS, the model's configured EOS ids, and the chat
+    template's end-of-turn token (Phi-3's ``<|end|>``, Llama-3's ``<|eot_id|>``) when it is one token."""
+    ids: set[int] = set(chat_facts(tokenizer).end_of_turn_ids)
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)

@@ -7,7 +7,7 @@ starts here (or from a checkpoint this factory produced).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -34,11 +34,14 @@ DEFAULT_TEXTS = (
 )
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, split_digits: bool = True) -> PreTrainedTokenizerFast:
+def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, split_digits: bool = True,
+                    extra_special_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` with chat special tokens and a chat template.
 
     ``split_digits`` keeps every digit its own token (as Llama and PaLM do), so numbers are digit
     sequences rather than one opaque token per number — arithmetic becomes learnable digit by digit.
+    ``extra_special_tokens`` (e.g. ``"<|end|>"``, ``"<|im_start|>"``) come after the built-in ones, for
+    models whose chat template needs other control tokens.
     """
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
@@ -48,7 +51,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, split_digits: b
     else:
         tokenizer.pre_tokenizer = byte_level
     tokenizer.decoder = decoders.ByteLevel()
-    specials = [PAD, BOS, EOS, *ROLE_TOKENS]
+    specials = [PAD, BOS, EOS, *ROLE_TOKENS, *extra_special_tokens]
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=specials,
@@ -61,7 +64,7 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int = 512, split_digits: b
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        additional_special_tokens=list(ROLE_TOKENS),
+        additional_special_tokens=[*ROLE_TOKENS, *extra_special_tokens],
     )
     wrapped.chat_template = CHAT_TEMPLATE
     return wrapped
@@ -108,10 +111,11 @@ def build_tiny_model(
     intermediate_size: int | None = None,
     max_position_embeddings: int = 1024,
     seed: int = 0,
+    extra_special_tokens: Sequence[str] = (),
 ) -> Path:
     """Build, seed and save a tiny Llama model plus tokenizer in HF format; return the directory."""
     output_dir = Path(output_dir)
-    tokenizer = train_tokenizer(texts, vocab_size=vocab_size)
+    tokenizer = train_tokenizer(texts, vocab_size=vocab_size, extra_special_tokens=extra_special_tokens)
     config = tiny_llama_config(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,

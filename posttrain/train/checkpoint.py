@@ -3,14 +3,20 @@
 Layout of ``<output_dir>/checkpoints/step-000120/``:
 - ``*.distcp`` + ``.metadata``: model and optimizer through ``torch.distributed.checkpoint`` (DCP),
   each rank writing its own shards.
-- ``trainer-rank{r}.json``: everything else a bit-exact resume needs (step, data position, health
-  history, skip set) and ``rng-rank{r}.pt``: that rank's RNG states.
+- ``trainer.json`` (rank 0): everything else a bit-exact resume needs — the loop's step counters, the
+  health history, the skip set, and the step source's state (data position, BCO's shift, a sampler's
+  pass rates). It is the same on every rank, so one copy serves any number of ranks.
+- ``rng-rank{r}.pt``: each rank's RNG states.
 - ``manifest.json``: written **last**, by rank 0, after every file is fsynced: step, config hash and a
   sha256 per file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
 
 A checkpoint is written to ``step-N.tmp`` and renamed into place after the manifest, so a reader
 never sees a half-written directory under its final name; the manifest check also covers stores
 without atomic rename.
+
+A checkpoint written by N ranks loads on M ranks: DCP reshards the model and optimizer to the new
+sharding (or to whole tensors in one process), the trainer state is rank-independent, and a rank with
+no RNG file of its own takes rank ``r mod N``'s (the exact data position does not depend on RNG).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.distributed.checkpoint.state_dict import (
 from posttrain import dist
 
 MANIFEST = "manifest.json"
+TRAINER_STATE = "trainer.json"
 
 
 def _sha256(path: Path) -> str:
@@ -159,7 +166,8 @@ def save_checkpoint(
     with _quiet_single_process():
         dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
     rank = dist.rank()
-    (staging / f"trainer-rank{rank}.json").write_text(json.dumps(trainer_state, sort_keys=True))
+    if dist.is_main():
+        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, sort_keys=True))
     torch.save(rng_state(), staging / f"rng-rank{rank}.pt")
     dist.barrier()
     if dist.is_main():
@@ -184,21 +192,23 @@ def save_checkpoint(
 def load_checkpoint(
     info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> dict[str, Any]:
-    """Restore model, optimizer and this rank's RNG; return this rank's trainer state."""
-    saved_world = info.manifest.get("world_size", 1)
-    if saved_world != dist.world_size():
-        raise RuntimeError(
-            f"checkpoint {info.path} was written by {saved_world} ranks, this run has {dist.world_size()}; "
-            "the exact data position depends on the world size — resume with the same number of ranks"
+    """Restore model, optimizer and this rank's RNG (resharding when the rank count changed); return the
+    trainer state."""
+    saved_world = int(info.manifest.get("world_size", 1))
+    world, rank = dist.world_size(), dist.rank()
+    if saved_world != world and dist.is_main():
+        warnings.warn(
+            f"checkpoint {info.path.name} was written by {saved_world} rank(s); resharding it for {world}",
+            stacklevel=2,
         )
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rank = dist.rank()
-    set_rng_state(torch.load(info.path / f"rng-rank{rank}.pt", weights_only=False))
-    return json.loads((info.path / f"trainer-rank{rank}.json").read_text())
+    rng_file = info.path / f"rng-rank{rank if rank < saved_world else rank % saved_world}.pt"
+    set_rng_state(torch.load(rng_file, weights_only=False))
+    return json.loads((info.path / TRAINER_STATE).read_text())
 
 
 def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

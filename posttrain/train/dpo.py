@@ -6,18 +6,21 @@ setup → reference → train → evaluate → export:
    dropped with a reason; ``pairs.jsonl`` lists every pair used, with the annotator's rationale);
 2. reference log-probs: precomputed once and cached (``posttrain.train.reference``; the reference model
    is freed before the policy is even loaded), or a live reference kept beside the policy, or none;
-3. the loop (``posttrain.train.loop``) with a preference ``Objective``: one forward per micro-batch
-   over chosen and rejected together, the loss from ``posttrain.algorithms.preference.LOSSES``;
-4. with ``data.eval``: held-out loss and accuracies before and after training (``eval.json``);
+3. the loop (``posttrain.train.loop``) with a ``DPOSource`` — the pair stream, each micro-batch carrying
+   its reference log-probs and BCO's current shift δ (source state, checkpointed and restored on
+   rollback) — and ``dpo_loss``: one forward per micro-batch over chosen and rejected together, the
+   loss from ``posttrain.algorithms.preference.LOSSES``;
+4. with ``data.eval``: held-out loss and accuracies before training, every ``train.eval_every`` steps
+   and after training (``eval.json``, ``metrics.jsonl``);
 5. export the policy in HF format to ``output_dir/final``.
 """
 
 from __future__ import annotations
 
 import json
-import math
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -25,14 +28,14 @@ from posttrain import dist
 from posttrain.algorithms.preference import (
     chosen_sft_term,
     combine_losses,
+    fold_running_mean,
     preference_metrics,
-    update_running_mean,
 )
 from posttrain.config.preference import DPORecipe
-from posttrain.models.load import load_model, load_tokenizer
-from posttrain.models.tiny import count_parameters
-from posttrain.train.checkpoint import latest_valid_checkpoint
-from posttrain.train.loop import Objective, train
+from posttrain.data.io import append_jsonl
+from posttrain.models.load import load_model
+from posttrain.train.evaluation import sharded_sums
+from posttrain.train.loop import train
 from posttrain.train.pairs import (
     PairData,
     PairLogprobModel,
@@ -41,13 +44,23 @@ from posttrain.train.pairs import (
     model_inputs,
     pair_summary,
     read_pairs,
-    recompute_gated_mlp,
     split_pairs,
     write_jsonl,
 )
-from posttrain.train.parallelize import parallelize
+from posttrain.train.precision import autocast
 from posttrain.train.reference import ReferenceSpec, default_cache_dir, reference_logps
-from posttrain.train.runner import Run, export_final, loop_settings, say, start_run
+from posttrain.train.runner import (
+    Run,
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
+from posttrain.train.sft import curriculum_items
+from posttrain.train.source import BatchGeometry, StepBatch, StreamSource
 from posttrain.train.stream import Difficulty, build_stream
 
 # Keys of the per-step metrics (besides the loop's loss, grad_norm, lr, throughput): sums over pairs
@@ -56,40 +69,13 @@ METRIC_KEYS = ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/
                "logps/rejected", "kl_to_ref")
 
 
-def parallelize_root(config, root: torch.nn.Module, lm: torch.nn.Module) -> None:
-    """AC + FSDP through the one ``parallelize`` function, as ``runner.load_policy`` does for SFT."""
-    train_cfg = config.train
-    applied = parallelize(
-        root, lm, fsdp=train_cfg.fsdp, precision=train_cfg.precision, cpu_offload=train_cfg.cpu_offload,
-        activation_checkpointing=train_cfg.activation_checkpointing, ac_every=train_cfg.ac_every,
-    )
-    say(f"model {config.model.path}: {count_parameters(lm) / 1e6:.2f}M parameters; {applied}")
-
-
-def lean_mlp(lm: torch.nn.Module) -> None:
-    changed = recompute_gated_mlp(lm)
-    if changed:
-        say(f"{changed} gated MLPs recompute act(gate)·up and the down projection in backward (less activation memory)")
-
-
-def reshard(root: torch.nn.Module) -> None:
-    """After a forward without backward, put FSDP2's root parameters back to their sharded form.
-
-    FSDP2 keeps the root's parameters unsharded after its forward (backward would reshard them). An
-    evaluation pass has no backward, and an optimizer built afterwards would then hold the unsharded
-    tensors instead of the sharded parameters.
-    """
-    if hasattr(root, "reshard"):
-        root.reshard()
-
-
 def reference_spec(config: DPORecipe) -> ReferenceSpec:
     return ReferenceSpec(
         path=config.dpo.reference_model or config.model.path,
         dtype=config.model.dtype,
         attn_implementation=config.model.attn_implementation,
         trust_remote_code=config.model.trust_remote_code,
-        autocast_bf16=config.train.precision == "bf16",
+        precision=config.train.precision,
         prefix_sharing=config.dpo.prefix_sharing,
         batch_size=config.dpo.reference_batch_size,
         chunk_size=config.train.loss_chunk_size,
@@ -104,44 +90,53 @@ def load_live_reference(spec: ReferenceSpec) -> PairLogprobModel:
     return PairLogprobModel(lm, chunk_size=spec.chunk_size)
 
 
-def build_units(config: DPORecipe, pairs: list[TokenizedPair], world: int) -> list[TokenizedPair]:
+def build_units(config: DPORecipe, pairs: list[TokenizedPair]) -> list[TokenizedPair]:
     """Pairs in consumption order: the same stream (seeded shuffle or curriculum) as SFT uses."""
     train_cfg, data = config.train, config.data
+    items = curriculum_items(config, [Difficulty(p.tier, p.difficulty) for p in pairs])
     order = build_stream(
-        [Difficulty(p.tier, p.difficulty) for p in pairs], data.curriculum, train_cfg.seed, train_cfg.epochs,
-        train_cfg.batch_size * train_cfg.grad_accum * world, train_cfg.max_steps, data.competence_start,
-        data.competence_steps, data.shuffle,
+        items, data.curriculum, train_cfg.seed, train_cfg.epochs, train_cfg.global_batch, train_cfg.max_steps,
+        data.competence_start, data.competence_steps, data.shuffle,
     )
     return [pairs[i] for i in order]
 
 
-class ReferenceSource:
-    """Where a batch's reference log-probs come from: a precomputed table, a live model, or nowhere."""
+class ReferenceLogps:
+    """Where a batch's reference log-probs come from: a precomputed table, a live model, or nowhere.
 
-    def __init__(self, table: tuple[torch.Tensor, torch.Tensor] | None = None, live: PairLogprobModel | None = None):
-        self.table, self.live = table, live
+    ``attach(batch)`` adds ``ref_chosen`` / ``ref_rejected`` (``[B]``) to a collated batch.
+    """
 
-    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def __init__(self, table: tuple[torch.Tensor, torch.Tensor] | None = None, live: PairLogprobModel | None = None,
+                 precision: str = "fp32"):
+        self.table, self.live, self.precision = table, live, precision
+
+    def attach(self, batch: dict[str, Any]) -> dict[str, Any]:
         device = dist.device()
         if self.table is not None:
             index = batch["pair_index"]
-            return self.table[0][index].to(device), self.table[1][index].to(device)
-        if self.live is not None:
-            with torch.no_grad():
-                return split_pairs(self.live(**model_inputs(batch)).float())
-        return None, None
+            batch["ref_chosen"], batch["ref_rejected"] = self.table[0][index].to(device), self.table[1][index].to(device)
+        elif self.live is not None:
+            # The frozen reference is never sharded: bf16 runs compute it under autocast.
+            with torch.no_grad(), autocast(self.precision, sharded=False):
+                batch["ref_chosen"], batch["ref_rejected"] = split_pairs(self.live(**model_inputs(batch)).float())
+        return batch
 
 
-def pair_losses(config: DPORecipe, batch, policy_logps: torch.Tensor, reference: ReferenceSource, bco_delta: float):
-    """Per-pair loss ``[B]`` (preference losses + optional chosen-NLL term) and the pieces metrics need."""
+def pair_losses(config: DPORecipe, batch: dict[str, Any], policy_logps: torch.Tensor):
+    """Per-pair loss ``[B]`` (preference losses + optional chosen-NLL term) and the pieces metrics need.
+
+    Reads the reference log-probs (``ref_chosen``/``ref_rejected``) and BCO's shift (``bco_delta``) from
+    the batch, where ``ReferenceLogps`` and ``DPOSource`` put them.
+    """
     dpo = config.dpo
     pc, pr = split_pairs(policy_logps.float())
-    rc, rr = reference(batch)
+    rc, rr = batch.get("ref_chosen"), batch.get("ref_rejected")
     device = pc.device
     lc, lr = batch["chosen_lengths"].to(device), batch["rejected_lengths"].to(device)
     params = dpo.loss_params()
     if "bco_pair" in dpo.losses and dpo.bco_delta is None:
-        params["bco_delta"] = bco_delta
+        params["bco_delta"] = batch["bco_delta"]
     per_pair = combine_losses(dpo.losses, dpo.loss_weights, pc, pr, rc, rr, chosen_lengths=lc, rejected_lengths=lr,
                               **params)
     sft = chosen_sft_term(-pc, lc, dpo.sft_weight) if dpo.sft_weight > 0 else None
@@ -150,155 +145,139 @@ def pair_losses(config: DPORecipe, batch, policy_logps: torch.Tensor, reference:
     return per_pair, (pc, pr, rc, rr, lc, lr), sft
 
 
-def dpo_objective(
-    config: DPORecipe, units: list[TokenizedPair], pad_id: int, reference: ReferenceSource, bco: dict
-) -> Objective:
-    prefix_sharing = config.dpo.prefix_sharing
-    running_bco = _running_bco(config)
-    tiers = Counter()
+def dpo_loss(config: DPORecipe):
+    """The loss the loop calls per micro-batch: summed per-pair loss and metric sums over the pairs."""
 
-    def collate(pairs: list[TokenizedPair]) -> dict[str, torch.Tensor]:
-        return collate_pairs(pairs, pad_id, prefix_sharing)
-
-    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        per_pair, (pc, pr, rc, rr, lc, lr), sft = pair_losses(
-            config, batch, model(**model_inputs(batch)), reference, bco["bco_mean"]
-        )
+    def loss(model: torch.nn.Module, batch: dict[str, Any]):
+        per_pair, (pc, pr, rc, rr, lc, lr), sft = pair_losses(config, batch, model(**model_inputs(batch)))
         count = pc.shape[0]
         means = preference_metrics(pc, pr, rc, rr, beta=config.dpo.beta, chosen_lengths=lc, rejected_lengths=lr)
         metrics = {key: value * count for key, value in means.items()}
         if rc is not None:
             # Per pair, then summed: a mean over pairs that does not depend on how pairs are split into
             # micro-batches or ranks (preference_metrics' token-weighted mean would).
-            metrics["kl_to_ref"] = float((((pc - rc) + (pr - rr)) / (lc + lr)).detach().sum())
+            metrics["kl_to_ref"] = (((pc - rc) + (pr - rr)) / (lc + lr)).detach().sum()
         if sft is not None:
-            metrics["loss/sft"] = float(sft.detach().sum())
-        if running_bco and model.training:
-            _update_bco_delta(bco, config.dpo.beta, pc, pr, rc, rr)
+            metrics["loss/sft"] = sft.detach().sum()
         return per_pair.sum(), metrics
 
-    def describe(pairs: list[TokenizedPair]) -> dict[str, int]:
-        tiers.clear()
-        tiers.update(p.tier for p in pairs)
-        return {f"tier_{t if t is not None else 'none'}": n for t, n in sorted(tiers.items(), key=lambda kv: str(kv[0]))}
-
-    def token_counts(pairs: list[TokenizedPair]) -> tuple[int, int]:
-        return (
-            sum(p.row_tokens(prefix_sharing) for p in pairs),
-            sum(len(p.chosen_targets) + len(p.rejected_targets) for p in pairs),
-        )
-
-    return Objective(
-        name="dpo", units=units, collate=collate, normalizer=len, loss=loss, describe=describe,
-        token_counts=token_counts,
-    )
+    return loss
 
 
-def _running_bco(config: DPORecipe) -> bool:
-    return "bco_pair" in config.dpo.losses and config.dpo.bco_delta is None
+class DPOSource(StreamSource):
+    """The pair stream; every micro-batch carries its reference log-probs and BCO's shift δ.
+
+    δ (``dpo.loss: bco_pair`` without a fixed ``dpo.bco_delta``) is the running mean of the implicit
+    rewards ``β·ρ`` over chosen and rejected of every pair trained on so far. It is source state: one
+    value for the whole step (so accumulation and ranks do not change the step), folded in after each
+    accepted step from the step's global reward sums, saved with every checkpoint, restored on resume
+    and on rollback.
+    """
+
+    def __init__(self, config: DPORecipe, units: list[TokenizedPair], geometry: BatchGeometry, pad_id: int,
+                 reference: ReferenceLogps):
+        prefix_sharing = config.dpo.prefix_sharing
+        tiers: Counter = Counter()
+
+        def describe(pairs: list[TokenizedPair]) -> dict[str, int]:
+            tiers.clear()
+            tiers.update(p.tier for p in pairs)
+            return {f"tier_{t if t is not None else 'none'}": n for t, n in sorted(tiers.items(), key=lambda kv: str(kv[0]))}
+
+        def token_counts(pairs: list[TokenizedPair]) -> tuple[int, int]:
+            return (sum(p.row_tokens(prefix_sharing) for p in pairs),
+                    sum(len(p.chosen_targets) + len(p.rejected_targets) for p in pairs))
+
+        super().__init__("dpo", units, geometry, collate=lambda pairs: collate_pairs(pairs, pad_id, prefix_sharing),
+                         normalizer=len, rank=dist.rank(), describe=describe, token_counts=token_counts,
+                         unit_ids=lambda pair: [pair.id])
+        self.reference = reference
+        self.running_bco = "bco_pair" in config.dpo.losses and config.dpo.bco_delta is None
+        self.bco_mean, self.bco_count = 0.0, 0
+
+    def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:
+        batch = super().next_step(step, model)
+        for micro in batch.micro_batches:
+            self.reference.attach(micro)
+            micro["bco_delta"] = self.bco_mean
+        return batch
+
+    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> None:
+        super().end_step(step, accepted, metric_sums)
+        if self.running_bco and accepted:
+            rewards = metric_sums["rewards/chosen"] + metric_sums["rewards/rejected"]
+            self.bco_mean, self.bco_count = fold_running_mean(self.bco_mean, self.bco_count, rewards,
+                                                              2 * self.geometry.global_batch)
+
+    def state(self) -> dict[str, Any]:
+        return {**super().state(), "bco_mean": self.bco_mean, "bco_count": self.bco_count}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        super().load_state(state)
+        self.bco_mean, self.bco_count = float(state["bco_mean"]), int(state["bco_count"])
 
 
-def _update_bco_delta(bco: dict, beta: float, pc, pr, rc, rr) -> None:
-    """BCO's δ: running mean of the rewards β·ρ over chosen and rejected of every rank's pairs."""
-    rewards = beta * torch.cat([(pc - rc), (pr - rr)]).detach().float().cpu()
-    gathered = torch.zeros(dist.world_size(), rewards.numel(), dtype=torch.float32)
-    gathered[dist.rank()] = rewards
-    dist.all_reduce_sum(gathered)  # every rank ends with the same δ
-    bco["bco_mean"], bco["bco_count"] = update_running_mean(bco["bco_mean"], bco["bco_count"], gathered.flatten())
-
-
-def _restore_bco_state(run: Run, bco: dict) -> None:
-    """On resume, take δ from the checkpoint the loop is about to resume from (it saves ``extra_state``)."""
-    info = latest_valid_checkpoint(run.output_dir / "checkpoints", run.config_hash)
-    if info is None:
-        return
-    saved = json.loads((info.path / f"trainer-rank{dist.rank()}.json").read_text())
-    for key in ("bco_mean", "bco_count"):
-        if key in saved:
-            bco[key] = saved[key]
-
-
-@torch.no_grad()
-def evaluate_pairs(
-    config: DPORecipe, root: torch.nn.Module, pairs: list[TokenizedPair], pad_id: int, reference: ReferenceSource,
-    bco_delta: float = 0.0,
-) -> dict[str, float]:
-    """Held-out preference figures over ``pairs`` (sharded over ranks; every rank runs the same forwards).
+def pair_evaluator(config: DPORecipe, pairs: list[TokenizedPair], pad_id: int, reference: ReferenceLogps,
+                   source: DPOSource | None, sharded: bool):
+    """``evaluate(model)``: held-out preference figures over ``pairs`` (sharded over ranks).
 
     - ``loss``: the training loss; ``rewards/accuracy``: implicit reward margin > 0 (DPO's usual metric;
       0 before training when the reference is the initial policy, since every margin is then 0);
     - ``logps_accuracy``: the policy gives the chosen response a higher summed log-prob than the rejected
       one — meaningful before and after training, so it shows what training changed.
     """
-    batch_size, world, rank = config.train.batch_size, dist.world_size(), dist.rank()
-    totals = torch.zeros(6, dtype=torch.float64)
-    root.eval()
-    rounds = math.ceil(len(pairs) / (batch_size * world))
-    for index in range(rounds):
-        start = (index * world + rank) * batch_size
-        chunk = pairs[start : start + batch_size]
-        weight = 1.0 if chunk else 0.0
-        batch = collate_pairs(chunk or pairs[:1], pad_id, config.dpo.prefix_sharing)
-        with _eval_autocast(config):
-            per_pair, (pc, pr, rc, rr, lc, lr), _ = pair_losses(config, batch, root(**model_inputs(batch)),
-                                                                reference, bco_delta)
-        if rc is not None:
-            margin = config.dpo.beta * ((pc - rc) - (pr - rr))
-        else:
-            margin = config.dpo.beta * (pc / lc - pr / lr)
-        totals += weight * torch.tensor([
-            float(per_pair.sum()), float((margin > 0).sum()), float(margin.sum()), float((pc > pr).sum()),
-            float((pc / lc > pr / lr).sum()), float(pc.shape[0]),
-        ], dtype=torch.float64)
-    root.train()
-    reshard(root)
-    dist.all_reduce_sum(totals)
-    count = max(float(totals[5]), 1.0)
-    return {
-        "loss": float(totals[0]) / count,
-        "rewards/accuracy": float(totals[1]) / count,
-        "rewards/margin": float(totals[2]) / count,
-        "logps_accuracy": float(totals[3]) / count,
-        "logps_per_token_accuracy": float(totals[4]) / count,
-        "pairs": int(totals[5]),
-    }
 
+    def measure(model: torch.nn.Module, chunk: list[TokenizedPair]) -> torch.Tensor:
+        batch = reference.attach(collate_pairs(chunk, pad_id, config.dpo.prefix_sharing))
+        batch["bco_delta"] = source.bco_mean if source is not None else 0.0
+        with autocast(config.train.precision, sharded):
+            per_pair, (pc, pr, rc, rr, lc, lr), _ = pair_losses(config, batch, model(**model_inputs(batch)))
+        margin = config.dpo.beta * (((pc - rc) - (pr - rr)) if rc is not None else (pc / lc - pr / lr))
+        return torch.stack([per_pair.sum(), (margin > 0).sum(), margin.sum(), (pc > pr).sum(),
+                            (pc / lc > pr / lr).sum(), torch.tensor(float(pc.shape[0]))]).double()
 
-def _eval_autocast(config: DPORecipe):
-    import contextlib
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        totals = sharded_sums(model, pairs, config.train.batch_size, measure)
+        count = max(float(totals[5]), 1.0)
+        return {
+            "loss": float(totals[0]) / count,
+            "rewards/accuracy": float(totals[1]) / count,
+            "rewards/margin": float(totals[2]) / count,
+            "logps_accuracy": float(totals[3]) / count,
+            "logps_per_token_accuracy": float(totals[4]) / count,
+            "pairs": int(totals[5]),
+        }
 
-    uses_fsdp = dist.world_size() > 1 or config.train.fsdp == "on"
-    if config.train.precision != "bf16" or uses_fsdp:
-        return contextlib.nullcontext()
-    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
+    return evaluate
 
 
 def prepare_reference(config: DPORecipe, run: Run, train_data: PairData, eval_data: PairData | None, pad_id: int):
-    """Reference sources for training and evaluation, per ``dpo.reference``."""
+    """Reference log-probs for training and evaluation, per ``dpo.reference``."""
     mode = config.dpo.reference_mode
+    precision = config.train.precision
     if mode == "none":
         say("reference: none (reference-free loss)")
-        return ReferenceSource(), ReferenceSource()
+        return ReferenceLogps(), ReferenceLogps()
     spec = reference_spec(config)
     if mode == "live":
         say(f"reference: live ({spec.path}, kept in memory beside the policy)")
-        live = ReferenceSource(live=load_live_reference(spec))
+        live = ReferenceLogps(live=load_live_reference(spec), precision=precision)
         return live, live
+    cache_dir = Path(config.dpo.reference_cache_dir) if config.dpo.reference_cache_dir else \
+        default_cache_dir(config.output_dir)
     sources = []
     for path, data in ((config.data.train, train_data), (config.data.eval, eval_data)):
         if data is None:
-            sources.append(ReferenceSource())
+            sources.append(ReferenceLogps())
             continue
-        cache_dir = Path(config.dpo.reference_cache_dir) if config.dpo.reference_cache_dir else \
-            default_cache_dir(path, config.output_dir)
         result = reference_logps(spec, data.pairs, pad_id, path, cache_dir, desc=f"reference log-probs {path}")
         say(f"reference log-probs for {len(data.pairs)} pairs of {path}: "
             f"{'reused' if result.reused else 'computed and cached'} {result.path}")
-        sources.append(ReferenceSource(table=(result.chosen, result.rejected)))
+        sources.append(ReferenceLogps(table=(result.chosen, result.rejected)))
     return sources[0], sources[1]
 
 
-def _write_outputs(run: Run, data: PairData, units: list[TokenizedPair], train_ref: ReferenceSource) -> None:
+def _write_outputs(run: Run, data: PairData, units: list[TokenizedPair], train_ref: ReferenceLogps) -> None:
     uses = Counter(p.index for p in units)
     rows = []
     for pair in data.pairs:
@@ -312,52 +291,48 @@ def _write_outputs(run: Run, data: PairData, units: list[TokenizedPair], train_r
         write_jsonl(run.output_dir / "dropped_pairs.jsonl", [{"id": i, "reason": r} for i, r in data.dropped_ids])
 
 
-def _write_eval(run: Run, step: int, before: dict, after: dict) -> None:
+def write_eval(output_dir: Path, step: int, before: dict, after: dict, shown: tuple[str, ...]) -> None:
+    """``eval.json`` (before/after) and two ``eval_phase`` lines in ``metrics.jsonl`` (rank 0)."""
     if not dist.is_main():
         return
-    (run.output_dir / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
-    with open(run.output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-        for phase, values in (("before_training", before), ("after_training", after)):
-            handle.write(json.dumps({"step": step, "eval_phase": phase,
-                                     **{f"eval/{k}": v for k, v in values.items()}}) + "\n")
-    say("held-out: " + "; ".join(
-        f"{k} {before[k]:.3f} → {after[k]:.3f}" for k in ("loss", "rewards/accuracy", "logps_accuracy")))
+    (output_dir / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
+    append_jsonl(str(output_dir / "metrics.jsonl"), [
+        {"step": step, "eval_phase": phase, **{f"eval/{k}": v for k, v in values.items()}}
+        for phase, values in (("before_training", before), ("after_training", after))
+    ])
+    say("held-out: " + "; ".join(f"{k} {before[k]:.3f} → {after[k]:.3f}" for k in shown))
 
 
 def run_dpo(config: DPORecipe) -> int:
     run = start_run(config)
     try:
+        geometry = batch_geometry(config)
+        from posttrain.models.load import load_tokenizer
+
         tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         pad_id = tokenizer.pad_token_id
         train_data = read_pairs(config, config.data.train, tokenizer, "")
         eval_data = read_pairs(config, config.data.eval, tokenizer, "-eval") if config.data.eval else None
         # The reference pass runs (and frees its model) before the policy is loaded: peak memory is one model.
         train_ref, eval_ref = prepare_reference(config, run, train_data, eval_data, pad_id)
-        lm = load_model(config.model.path, config.model.dtype, config.model.attn_implementation,
-                        config.model.trust_remote_code)
-        lm.config.use_cache = False
-        root = PairLogprobModel(lm, chunk_size=config.train.loss_chunk_size)
-        lean_mlp(lm)
-        parallelize_root(config, root, lm)
-        units = build_units(config, train_data.pairs, dist.world_size())
-        per_step = config.train.batch_size * config.train.grad_accum * dist.world_size()
-        leftover = len(units) % per_step
-        say(f"{len(units)} pairs → {len(units) // per_step} steps of {per_step}"
+        root, lm, tokenizer = build_policy(config, lambda lm: PairLogprobModel(lm, config.train.loss_chunk_size))
+        units = build_units(config, train_data.pairs)
+        leftover = len(units) % geometry.global_batch
+        say(f"{len(units)} pairs → {len(units) // geometry.global_batch} steps of {geometry.global_batch}"
             + (f"; the last {leftover} do not fill a step and are not used" if leftover else ""))
         _write_outputs(run, train_data, units, train_ref)
-        before = evaluate_pairs(config, root, eval_data.pairs, pad_id, eval_ref) if eval_data else None
-        settings = loop_settings(run, root, lm)
-        # BCO's running δ is trainer state: the loop checkpoints ``extra_state`` (this same dict) with each step.
-        bco = settings.extra_state
-        bco.update(bco_mean=0.0, bco_count=0)
-        if _running_bco(config):
-            _restore_bco_state(run, bco)
-        code = train(root, dpo_objective(config, units, pad_id, train_ref, bco), settings)
+        source = DPOSource(config, units, geometry, pad_id, train_ref)
+        settings = loop_settings(run, lm)
+        before = None
+        if eval_data is not None:
+            settings.evaluate = pair_evaluator(config, eval_data.pairs, pad_id, eval_ref, source, settings.sharded)
+            before = settings.evaluate(root)
+        code = train(root, source, dpo_loss(config), settings)
         if code == 0:
-            if eval_data is not None:
-                after = evaluate_pairs(config, root, eval_data.pairs, pad_id, eval_ref, bco["bco_mean"])
-                _write_eval(run, len(units) // per_step, before, after)
-            export_final(run, root, lm, tokenizer)
+            if before is not None:
+                write_eval(run.output_dir, source.total_steps(), before, settings.summary.evals[-1][1],
+                           ("loss", "rewards/accuracy", "logps_accuracy"))
+            finish("dpo", settings, export_final(run, root, lm, tokenizer))
         return code
     finally:
         dist.destroy()

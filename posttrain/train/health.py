@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain import dist
+from posttrain.data.io import append_jsonl
 
 
 def zscore(value: float, history: list[float]) -> float:
@@ -89,9 +90,7 @@ class Alerts:
         event = {"time": time.time(), "kind": kind, **fields}
         if not dist.is_main():
             return event
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(event) + "\n")
+        append_jsonl(str(self.path), [event])
         if self.webhook:
             request = urllib.request.Request(
                 self.webhook, data=json.dumps(event).encode(), headers={"Content-Type": "application/json"}
@@ -99,6 +98,5 @@ class Alerts:
             try:
                 urllib.request.urlopen(request, timeout=self.timeout_s).close()
             except OSError as exc:  # an alert channel being down must not kill training
-                with open(self.path, "a", encoding="utf-8") as handle:
-                    handle.write(json.dumps({"time": time.time(), "kind": "webhook_failed", "error": str(exc)}) + "\n")
+                append_jsonl(str(self.path), [{"time": time.time(), "kind": "webhook_failed", "error": str(exc)}])
         return event

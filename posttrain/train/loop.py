@@ -1,20 +1,24 @@
-"""The training loop every algorithm shares. Algorithms plug in an ``Objective``, not a subclass.
+"""The training loop every algorithm shares. Algorithms plug in a step source and a loss, not a subclass.
 
 One optimizer step, top to bottom:
-1. take the step's global batch of units (the stream fixes which; see ``posttrain.train.stream``);
-2. for each micro-batch of this rank: forward, loss ÷ the step's *global* normaliser, backward;
+1. ask the source for the step's work (``source.next_step(step, model)``; see ``posttrain.train.source``):
+   this rank's micro-batches and the step's *global* normaliser;
+2. for each micro-batch: forward, loss ÷ the global normaliser, backward (metrics stay on the device);
 3. clip the gradient norm, ask the health guard, step the optimizer (or skip the update);
-4. log metrics; checkpoint when due; on a preemption signal, checkpoint and exit resumable.
+4. tell the source how the step went (``end_step``), log, evaluate and checkpoint when due; on a
+   preemption signal, checkpoint and exit resumable.
+
+Nothing here assumes the data exists before its step, and the source's state is saved with every
+checkpoint and restored on resume and on a health-guard rollback.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
 import os
 import signal
 import time
-from collections.abc import Callable, Sequence
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,44 +26,21 @@ from typing import Any
 import torch
 
 from posttrain import dist
+from posttrain.data.io import append_jsonl
+from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
 from posttrain.train.health import Alerts, HealthGuard
-from posttrain.train.metrics import MetricsSink, mfu, peak_flops, peak_memory_mb
+from posttrain.train.metrics import MetricsSink, RunSummary, mfu, peak_flops, peak_memory_mb
+from posttrain.train.precision import autocast
 from posttrain.train.schedule import lr_multiplier
-from posttrain.train.stream import step_slice
+from posttrain.train.source import LossFn, StepBatch, StepSource
 
-EXIT_RESUMABLE = 75
-
-
-@dataclass
-class Objective:
-    """What an algorithm contributes to the loop.
-
-    - ``units``: the run's ordered training units (examples, packed rows, pairs…).
-    - ``collate(units) -> batch``: tensors for one micro-batch.
-    - ``normalizer(units) -> float``: a step's loss is divided by the sum of this over the global batch
-      (loss tokens for SFT, pairs for DPO), so accumulation and rank count do not change the gradient.
-    - ``loss(model, batch) -> (loss_sum, metric_sums)``: the *un-normalised* loss sum of the micro-batch
-      and metric sums (divided by the same normaliser for logging).
-    - ``describe(units) -> dict``: extra per-step log fields (e.g. tiers drawn).
-    - ``token_counts(units) -> (tokens, loss_tokens)``: for throughput and MFU.
-    """
-
-    name: str
-    units: Sequence[Any]
-    collate: Callable[[list[Any]], dict[str, torch.Tensor]]
-    normalizer: Callable[[list[Any]], float]
-    loss: Callable[[torch.nn.Module, dict[str, torch.Tensor]], tuple[torch.Tensor, dict[str, torch.Tensor]]]
-    describe: Callable[[list[Any]], dict[str, Any]] = lambda units: {}
-    token_counts: Callable[[list[Any]], tuple[int, int]] = lambda units: (0, 0)
-    eval_units: Sequence[Any] = ()
+Evaluate = Callable[[torch.nn.Module], dict[str, float]]
 
 
 @dataclass
 class LoopSettings:
     output_dir: Path
-    batch_size: int
-    grad_accum: int
     lr: float
     lr_schedule: str
     warmup_steps: int
@@ -70,19 +51,24 @@ class LoopSettings:
     save_every: int | None
     keep_last: int
     log_every: int
-    autocast_bf16: bool
+    precision: str
+    sharded: bool
     params_for_mfu: int
     peak_flops: float | None
     config_hash: str
     health: HealthGuard
     alerts: Alerts
     max_rollbacks: int = 5
+    skip_steps: frozenset[int] = frozenset()
+    eval_every: int | None = None
+    evaluate: Evaluate | None = None  # held-out figures ({"loss": …}); logged as eval/<key>
     nan_steps: frozenset[int] = frozenset()
     spike_steps: frozenset[int] = frozenset()
     spike_factor: float = 1000.0
     crash_at_step: int | None = None
+    log_unit_ids: bool = False
     tensorboard: bool = True
-    extra_state: dict[str, Any] = field(default_factory=dict)
+    summary: RunSummary = field(default_factory=RunSummary)
 
 
 class Preemption:
@@ -111,52 +97,128 @@ class Preemption:
             signal.signal(sig, handler)
 
 
-def _autocast(enabled: bool):
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
-
-
-def _grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> float:
+def _grad_norm(params: list[torch.nn.Parameter], max_norm: float | None) -> torch.Tensor:
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def evaluate(model: torch.nn.Module, objective: Objective, batch_size: int, autocast_bf16: bool) -> float | None:
-    """Mean loss over ``objective.eval_units`` (sharded over ranks, reduced globally)."""
-    units = list(objective.eval_units)
-    if not units:
-        return None
-    world, rank = dist.world_size(), dist.rank()
-    total = torch.zeros(2, dtype=torch.float64)
-    model.eval()
-    with torch.no_grad():
-        # Every rank runs the same number of forwards (FSDP gathers are collectives).
-        rounds = math.ceil(len(units) / (batch_size * world))
-        for index in range(rounds):
-            start = (index * world + rank) * batch_size
-            chunk = units[start : start + batch_size] or units[:1]
-            weight = 1.0 if units[start : start + batch_size] else 0.0
-            with _autocast(autocast_bf16):
-                loss_sum, _ = objective.loss(model, objective.collate(chunk))
-            total += torch.tensor([float(loss_sum) * weight, objective.normalizer(chunk) * weight], dtype=torch.float64)
-    model.train()
-    dist.all_reduce_sum(total)
-    return float(total[0] / max(total[1], 1.0))
+@dataclass
+class UpdateResult:
+    loss: float
+    grad_norm: float
+    metric_sums: dict[str, float]  # over all ranks, un-normalised
+    ok: bool
+    reason: str
+    rollback: bool
 
 
-def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) -> int:
+def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any], normalizer: float, step: int,
+            settings: LoopSettings) -> UpdateResult:
+    """Forward/backward over one update's micro-batches, health check, optimizer step (or skip)."""
+    world = dist.world_size()
+    device = dist.device()
+    loss_total = torch.zeros((), dtype=torch.float64, device=device)
+    metric_totals: dict[str, torch.Tensor] = {}
+    for batch in micro_batches:
+        with autocast(settings.precision, settings.sharded):
+            loss_sum, metrics = loss_fn(model, batch)
+        loss = loss_sum / normalizer
+        if step in settings.nan_steps:
+            loss = loss * float("nan")  # fault injection drill (debug.nan_steps)
+        if step in settings.spike_steps:
+            loss = loss * settings.spike_factor  # fault injection drill (debug.spike_steps)
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+        (loss * world).backward()
+        # Accumulated on the device and read once per update: no host sync per micro-batch.
+        loss_total += loss.detach().to(torch.float64)
+        for key, value in metrics.items():
+            value = torch.as_tensor(value, dtype=torch.float64, device=device).detach()
+            metric_totals[key] = metric_totals[key] + value if key in metric_totals else value
+    grad_norm = _grad_norm(params, settings.max_grad_norm)
+    packed = dist.all_reduce_sum(torch.stack([loss_total, *metric_totals.values()]))
+    values = packed.tolist()
+    loss_value, grad_value = values[0], float(grad_norm)
+    verdict = settings.health.check(loss_value, grad_value)
+    if verdict.ok:
+        optimizer.step()
+    else:
+        settings.alerts.emit("skipped_update", step=step, reason=verdict.reason, loss=loss_value, grad_norm=grad_value)
+    optimizer.zero_grad(set_to_none=True)
+    return UpdateResult(loss_value, grad_value, dict(zip(metric_totals, values[1:], strict=True)), verdict.ok,
+                        verdict.reason, verdict.rollback)
+
+
+class _Run:
+    """The loop's own state and what it needs to save and restore it (model, optimizer, guard, source)."""
+
+    def __init__(self, model, optimizer, source: StepSource, settings: LoopSettings):
+        self.model, self.optimizer, self.source, self.settings = model, optimizer, source, settings
+        self.root = settings.output_dir / "checkpoints"
+        self.next_step, self.optimizer_steps, self.rollbacks = 0, 0, 0
+        self.skip: set[int] = set(settings.skip_steps)
+        self.last_saved = -1
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps, "rollbacks": self.rollbacks,
+                "skip": sorted(self.skip), "health": self.settings.health.state(), "source": self.source.state(),
+                "world_size": dist.world_size()}
+
+    def restore(self, info) -> None:
+        state = load_checkpoint(info, self.model, self.optimizer)
+        self.next_step, self.optimizer_steps = state["next_step"], state["optimizer_steps"]
+        self.rollbacks, self.skip = state["rollbacks"], set(state["skip"]) | set(self.settings.skip_steps)
+        self.settings.health.load(state["health"])
+        self.source.load_state(state["source"])
+        self.last_saved = self.next_step
+
+    def save(self) -> None:
+        s = self.settings
+        save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(), s.config_hash,
+                        s.keep_last)
+        self.last_saved = self.next_step
+
+
+def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: float, elapsed: float,
+                settings: LoopSettings, normalizers: list[float]) -> dict[str, Any]:
+    world = dist.world_size()
+    metric_means: dict[str, float] = {}
+    for update, norm in zip(updates, normalizers, strict=True):
+        for key, value in update.metric_sums.items():
+            metric_means[key] = metric_means.get(key, 0.0) + value / norm / len(updates)
+    record = {
+        "step": step,
+        "loss": sum(u.loss for u in updates) / len(updates),
+        "grad_norm": updates[-1].grad_norm,
+        "lr": lr,
+        "skipped": not all(u.ok for u in updates),
+        "step_time_s": elapsed,
+        "tokens_per_s": batch.tokens / elapsed,
+        "loss_tokens_per_s": batch.loss_tokens / elapsed,
+        "mfu": mfu(settings.params_for_mfu, batch.tokens / elapsed / world, peak_flops(settings.peak_flops)),
+        "peak_memory_mb": peak_memory_mb(),
+        **metric_means,
+        **batch.log,
+    }
+    if len(updates) > 1:
+        record["updates"] = len(updates)
+    return record
+
+
+def _warn_schedule(total_steps: int, settings: LoopSettings) -> None:
+    if settings.warmup_steps >= total_steps:
+        message = (f"train.warmup_steps={settings.warmup_steps} is as long as the whole run ({total_steps} steps): "
+                   "the learning rate never reaches train.lr; lower warmup_steps")
+        warnings.warn(message, stacklevel=3)
+        settings.alerts.emit("config_warning", message=message)
+
+
+def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings: LoopSettings) -> int:
     """Run (or resume) training; return 0 when done or EXIT_RESUMABLE after a preemption save."""
-    world, rank = dist.world_size(), dist.rank()
-    per_step = settings.batch_size * settings.grad_accum * world
-    total_steps = len(objective.units) // per_step
+    total_steps = source.total_steps()
     if total_steps == 0:
-        raise ValueError(
-            f"{len(objective.units)} training units cannot fill one step of {per_step} "
-            "(batch_size × grad_accum × ranks); lower train.batch_size or add data"
-        )
+        raise ValueError(f"{source.name}: the data cannot fill one optimizer step; lower train.global_batch_size "
+                         "or add data")
+    _warn_schedule(total_steps, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel does the whole AdamW update in one pass per tensor. The foreach path runs many
     # small ops instead: 12 ms vs 2.4 ms per step for 5M parameters on 2 idle CPU cores, and 0.5 s on
@@ -164,129 +226,112 @@ def train(model: torch.nn.Module, objective: Objective, settings: LoopSettings) 
     optimizer = torch.optim.AdamW(
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, fused=True
     )
-    ckpt_root = settings.output_dir / "checkpoints"
-    state: dict[str, Any] = {"next_batch": 0, "optimizer_steps": 0, "skip": [], "rollbacks": 0}
-    resumed = latest_valid_checkpoint(ckpt_root, settings.config_hash)
+    run = _Run(model, optimizer, source, settings)
+    resumed = latest_valid_checkpoint(run.root, settings.config_hash)
     if resumed is not None:
-        state = load_checkpoint(resumed, model, optimizer)
-        settings.health.load(state["health"])
-        settings.alerts.emit("resumed", step=state["next_batch"], checkpoint=str(resumed.path))
-
-    def trainer_state() -> dict[str, Any]:
-        return {**state, "health": settings.health.state(), **settings.extra_state}
-
-    def checkpoint_now() -> None:
-        save_checkpoint(
-            ckpt_root, state["next_batch"], model, optimizer, trainer_state(), settings.config_hash, settings.keep_last
-        )
-
-    sink = MetricsSink(settings.output_dir, total_steps, state["next_batch"], objective.name, settings.tensorboard)
-    peak = peak_flops(settings.peak_flops)
+        run.restore(resumed)
+        settings.alerts.emit("resumed", step=run.next_step, checkpoint=str(resumed.path))
+    sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard)
+    summary = settings.summary
     bad_streak: list[int] = []
-    last_saved = state["next_batch"] if resumed is not None else -1
     model.train()
     with Preemption() as preemption:
-        while state["next_batch"] < total_steps:
-            batch_index = state["next_batch"]
-            if batch_index in set(state["skip"]):
-                state["next_batch"] += 1
+        while run.next_step < total_steps:
+            step = run.next_step
+            if step in run.skip:
+                source.end_step(step, False, {})
+                run.next_step += 1
                 sink.skip()
-                continue
-            started = time.perf_counter()
-            lr = settings.lr * lr_multiplier(
-                batch_index, total_steps, settings.lr_schedule, settings.warmup_steps, settings.min_lr_ratio
-            )
-            for group in optimizer.param_groups:
-                group["lr"] = lr
-            global_units = list(objective.units[batch_index * per_step : (batch_index + 1) * per_step])
-            norm = max(float(objective.normalizer(global_units)), 1.0)
-            sums = torch.zeros(1, dtype=torch.float64)
-            metric_sums: dict[str, float] = {}
-            for micro in range(settings.grad_accum):
-                units = list(objective.units[step_slice(batch_index, micro, rank, settings.batch_size, settings.grad_accum, world)])
-                with _autocast(settings.autocast_bf16):
-                    loss_sum, metrics = objective.loss(model, objective.collate(units))
-                loss = loss_sum / norm
-                if batch_index in settings.nan_steps:
-                    loss = loss * float("nan")  # fault injection drill (debug.nan_steps)
-                if batch_index in settings.spike_steps:
-                    loss = loss * settings.spike_factor  # fault injection drill (debug.spike_steps)
-                # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
-                (loss * world).backward()
-                sums += float(loss.detach())
-                for key, value in metrics.items():
-                    metric_sums[key] = metric_sums.get(key, 0.0) + float(value) / norm
-            grad_norm = _grad_norm(params, settings.max_grad_norm)
-            packed = torch.tensor([float(sums), *metric_sums.values()], dtype=torch.float64)
-            dist.all_reduce_sum(packed)
-            step_loss = float(packed[0])
-            verdict = settings.health.check(step_loss, grad_norm)
-            if verdict.ok:
-                optimizer.step()
-                state["optimizer_steps"] += 1
-                bad_streak.clear()
             else:
-                bad_streak.append(batch_index)
-                settings.alerts.emit("skipped_update", step=batch_index, reason=verdict.reason, loss=step_loss, grad_norm=grad_norm)
-            optimizer.zero_grad(set_to_none=True)
-            state["next_batch"] = batch_index + 1
-
-            elapsed = time.perf_counter() - started
-            if batch_index % settings.log_every == 0 or state["next_batch"] == total_steps:
-                tokens, loss_tokens = objective.token_counts(global_units)
-                record = {
-                    "step": batch_index,
-                    "loss": step_loss,
-                    "grad_norm": grad_norm,
-                    "lr": lr,
-                    "skipped": not verdict.ok,
-                    "step_time_s": elapsed,
-                    "tokens_per_s": tokens / elapsed,
-                    "loss_tokens_per_s": loss_tokens / elapsed,
-                    "mfu": mfu(settings.params_for_mfu, tokens / elapsed / world, peak),
-                    "peak_memory_mb": peak_memory_mb(),
-                    **{key: float(value) for key, value in zip(metric_sums, packed[1:].tolist(), strict=True)},
-                    **objective.describe(global_units),
-                }
-                sink.log(record)
-            else:
-                sink.skip()
-
-            if verdict.rollback:
-                if state["rollbacks"] >= settings.max_rollbacks:
-                    settings.alerts.emit("aborted", step=batch_index, reason="too many rollbacks")
-                    raise RuntimeError(f"health guard: {state['rollbacks']} rollbacks already; stopping at step {batch_index}")
-                info = latest_valid_checkpoint(ckpt_root)
-                skip = sorted(set(state["skip"]) | set(bad_streak))
-                rollbacks = state["rollbacks"] + 1
-                if info is None:
-                    settings.alerts.emit("rollback_unavailable", step=batch_index, skipped_batches=bad_streak)
-                    state["skip"], state["rollbacks"] = skip, rollbacks
+                started = time.perf_counter()
+                lr = settings.lr * lr_multiplier(step, total_steps, settings.lr_schedule, settings.warmup_steps,
+                                                 settings.min_lr_ratio)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                batch = source.next_step(step, model)
+                groups = batch.groups()
+                updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings)
+                           for micro, norm in groups]
+                accepted = any(u.ok for u in updates)
+                run.optimizer_steps += sum(u.ok for u in updates)
+                totals: dict[str, float] = {}
+                for update in updates:
+                    for key, value in update.metric_sums.items():
+                        totals[key] = totals.get(key, 0.0) + value
+                source.end_step(step, accepted, totals)
+                run.next_step = step + 1
+                if settings.log_unit_ids:
+                    _log_units(settings.output_dir, step, batch.unit_ids)
+                elapsed = time.perf_counter() - started
+                summary.add_step(batch.tokens, elapsed, skipped=not accepted)
+                if step % settings.log_every == 0 or run.next_step == total_steps:
+                    sink.log(_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]))
                 else:
-                    state = load_checkpoint(info, model, optimizer)
-                    settings.health.load(state["health"])
-                    state["skip"], state["rollbacks"] = skip, rollbacks
-                    settings.alerts.emit("rollback", step=batch_index, to_step=info.step, skipped_batches=bad_streak)
-                    sink.rewind(state["next_batch"])
-                bad_streak.clear()
-                continue
-
-            due = settings.save_every and state["next_batch"] % settings.save_every == 0
-            if due and state["next_batch"] < total_steps:
-                checkpoint_now()
-                last_saved = state["next_batch"]
-            if settings.crash_at_step == batch_index:
+                    sink.skip()
+                if all(u.ok for u in updates):
+                    bad_streak.clear()
+                else:
+                    bad_streak.append(step)
+                if any(u.rollback for u in updates):
+                    _roll_back(run, bad_streak, step, sink)
+                    bad_streak.clear()
+                    continue
+                if settings.eval_every and run.next_step % settings.eval_every == 0 and run.next_step < total_steps:
+                    _evaluate(model, settings, sink, run.next_step)
+            due = settings.save_every and run.next_step % settings.save_every == 0
+            if due and run.next_step < total_steps:
+                run.save()
+            if settings.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)  # node-loss drill (debug.crash_at_step)
             if preemption.agreed():
-                if last_saved != state["next_batch"]:
-                    checkpoint_now()
-                settings.alerts.emit("preempted", step=state["next_batch"], signal=preemption.signal_name)
+                if run.last_saved != run.next_step:
+                    run.save()
+                settings.alerts.emit("preempted", step=run.next_step, signal=preemption.signal_name)
                 sink.close()
                 return EXIT_RESUMABLE
-    if last_saved != state["next_batch"]:
-        checkpoint_now()
-    eval_loss = evaluate(model, objective, settings.batch_size, settings.autocast_bf16)
-    if eval_loss is not None:
-        sink.log({"step": state["next_batch"], "eval_loss": eval_loss}, advance=False)
+    if run.last_saved != run.next_step:
+        run.save()
+    _evaluate(model, settings, sink, run.next_step)
+    summary.steps, summary.optimizer_steps = run.next_step, run.optimizer_steps
+    summary.final_loss = sink.last_loss
     sink.close()
     return 0
+
+
+def _roll_back(run: _Run, bad_streak: list[int], step: int, sink: MetricsSink) -> None:
+    """Back to the newest valid checkpoint (model, optimizer, guard and source state), skipping the bad batches."""
+    settings = run.settings
+    if run.rollbacks >= settings.max_rollbacks:
+        settings.alerts.emit("aborted", step=step, reason="too many rollbacks")
+        raise RuntimeError(f"health guard: {run.rollbacks} rollbacks already; stopping at step {step}")
+    skip = run.skip | set(bad_streak)
+    rollbacks = run.rollbacks + 1
+    info = latest_valid_checkpoint(run.root)
+    if info is None:
+        settings.alerts.emit("rollback_unavailable", step=step, skipped_batches=list(bad_streak))
+    else:
+        run.restore(info)
+        settings.alerts.emit("rollback", step=step, to_step=info.step, skipped_batches=list(bad_streak))
+        sink.rewind(run.next_step)
+    run.skip, run.rollbacks = skip, rollbacks
+
+
+def _evaluate(model: torch.nn.Module, settings: LoopSettings, sink: MetricsSink, step: int) -> None:
+    if settings.evaluate is None:
+        return
+    figures = settings.evaluate(model)
+    settings.summary.add_eval(step, figures)
+    sink.log({"step": step, **{f"eval/{key}": value for key, value in figures.items()}}, advance=False)
+
+
+def _log_units(output_dir: Path, step: int, unit_ids: list[str]) -> None:
+    """``units.jsonl``: which units each rank trained on at each step (``debug.log_unit_ids``)."""
+    gathered = [None] * dist.world_size()
+    if dist.initialized():
+        torch.distributed.all_gather_object(gathered, unit_ids)
+    else:
+        gathered = [unit_ids]
+    if dist.is_main():
+        append_jsonl(str(output_dir / "units.jsonl"),
+                     [{"step": step, "rank": rank, "ids": ids} for rank, ids in enumerate(gathered)])
+

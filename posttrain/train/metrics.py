@@ -1,16 +1,17 @@
-"""Per-step metrics: a progress bar with ETA, ``metrics.jsonl`` always, TensorBoard when installed."""
+"""Per-step metrics: progress with ETA, ``metrics.jsonl`` always, TensorBoard when installed, and the
+one-screen summary a run ends with."""
 
 from __future__ import annotations
 
-import json
 import resource
-import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from posttrain import dist
+from posttrain.data.io import append_jsonl
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices fall back to train.peak_flops or the CPU guess.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -45,6 +46,7 @@ class MetricsSink:
         self.path = output_dir / "metrics.jsonl"
         self.writer = None
         self.bar = None
+        self.last_loss: float | None = None
         if not self.enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
@@ -55,15 +57,16 @@ class MetricsSink:
                 self.writer = SummaryWriter(str(output_dir / "tensorboard"))
             except ImportError:
                 self.writer = None  # optional extra: pip install 'posttrain[tensorboard]'
-        from tqdm.auto import tqdm
+        from posttrain.progress import progress
 
-        self.bar = tqdm(total=total_steps, initial=start_step, desc=desc, unit="step", file=sys.stderr, dynamic_ncols=True)
+        self.bar = progress(total=total_steps, initial=start_step, desc=desc, unit="step", leave=True)
 
     def log(self, record: dict[str, Any], advance: bool = True) -> None:
+        if "loss" in record:
+            self.last_loss = record["loss"]
         if not self.enabled:
             return
-        with open(self.path, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(record) + "\n")
+        append_jsonl(str(self.path), [record])
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, int | float) and key != "step":
@@ -87,3 +90,42 @@ class MetricsSink:
             self.writer.close()
         if self.bar is not None:
             self.bar.close()
+
+
+@dataclass
+class RunSummary:
+    """What a finished run prints last: steps, losses, throughput, memory, where the export went."""
+
+    steps: int = 0
+    optimizer_steps: int = 0
+    skipped_steps: int = 0
+    tokens: int = 0
+    seconds: float = 0.0
+    final_loss: float | None = None
+    evals: list[tuple[int, dict[str, float]]] = field(default_factory=list)
+    export: str | None = None
+
+    def add_step(self, tokens: int, seconds: float, skipped: bool) -> None:
+        self.tokens += tokens
+        self.seconds += seconds
+        self.skipped_steps += skipped
+
+    def add_eval(self, step: int, figures: dict[str, float]) -> None:
+        self.evals.append((step, dict(figures)))
+
+    def lines(self, name: str) -> list[str]:
+        out = [f"{name} finished: {self.steps} steps ({self.optimizer_steps} updates"
+               + (f", {self.skipped_steps} skipped" if self.skipped_steps else "") + ")"]
+        if self.final_loss is not None:
+            out.append(f"  final train loss   {self.final_loss:.4f}")
+        losses = [(step, figures["loss"]) for step, figures in self.evals if "loss" in figures]
+        if losses:
+            best_step, best = min(losses, key=lambda item: item[1])
+            out.append(f"  eval loss          final {losses[-1][1]:.4f} (step {losses[-1][0]}), "
+                       f"best {best:.4f} (step {best_step})")
+        if self.seconds > 0:
+            out.append(f"  throughput         {self.tokens / self.seconds:,.0f} tokens/s over the steps this process ran")
+        out.append(f"  peak memory        {peak_memory_mb():,.0f} MB ({'GPU allocated' if torch.cuda.is_available() else 'RSS'})")
+        if self.export:
+            out.append(f"  export             {self.export}")
+        return out

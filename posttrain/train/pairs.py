@@ -19,19 +19,18 @@ Both layouts produce, per target token, the flat index of the hidden state that 
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch.utils.checkpoint import checkpoint
-from tqdm.auto import tqdm
 
 from posttrain import dist
+from posttrain.data.io import write_jsonl as write_rows
 from posttrain.data.records import PreferencePair
 from posttrain.data.tokenize import TokenizedExample, tokenize_preference
 from posttrain.models.logprobs import IGNORE_INDEX, chunked_token_logprobs, per_sequence_sum
+from posttrain.progress import progress
 
 NO_RESPONSE_LEFT = "no response tokens left after truncation"
 IDENTICAL_AFTER_TRUNCATION = "chosen and rejected are identical after truncation"
@@ -136,7 +135,7 @@ def tokenize_pairs(
     tokens for both (``truncate_jointly``).
     """
     pairs, dropped, dropped_ids, truncated = [], Counter(), [], 0
-    for record in tqdm(records, desc=desc, disable=not dist.is_main(), leave=False):
+    for record in progress(records, desc=desc, unit="pair", disable=not dist.is_main()):
         chosen, rejected = tokenize_preference(record, tokenizer, _NO_LIMIT, truncation_side)
         if max(len(chosen.input_ids), len(rejected.input_ids)) > max_length:
             joint = truncate_jointly(chosen, rejected, max_length, truncation_side)
@@ -309,38 +308,6 @@ def decoder_hidden(
     return outputs.last_hidden_state
 
 
-def _down_of_gated(gate: torch.Tensor, up: torch.Tensor, act, down: torch.nn.Module) -> torch.Tensor:
-    return down(act(gate) * up)
-
-
-def recompute_gated_mlp(lm: torch.nn.Module) -> int:
-    """Make each gated MLP (``down(act(gate(x)) * up(x))``: Llama, Mistral, Qwen) keep less for backward.
-
-    The plain forward keeps five ``[tokens, ·]`` tensors per block for backward (``x``, ``gate``, ``up``,
-    ``act(gate)``, the product); here ``act(gate) * up`` and the down projection's forward are recomputed
-    in backward from ``gate`` and ``up`` (``torch.utils.checkpoint``), so two of the four wide tensors are
-    never stored. The forward computes exactly the same numbers; backward pays one extra elementwise
-    pass and the down projection's forward (about 3% of a step). Returns the number of MLPs changed.
-    """
-    from posttrain.train.parallelize import decoder_layers
-
-    changed = 0
-    for layer in decoder_layers(lm):
-        mlp = getattr(layer, "mlp", None)
-        if not all(hasattr(mlp, name) for name in ("gate_proj", "up_proj", "down_proj", "act_fn")):
-            continue
-
-        def forward(x: torch.Tensor, mlp=mlp) -> torch.Tensor:
-            gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-            if not torch.is_grad_enabled():
-                return _down_of_gated(gate, up, mlp.act_fn, mlp.down_proj)
-            return checkpoint(_down_of_gated, gate, up, mlp.act_fn, mlp.down_proj, use_reentrant=False)
-
-        mlp.forward = forward
-        changed += 1
-    return changed
-
-
 class PairLogprobModel(torch.nn.Module):
     """Root module for DPO: one forward returns the summed response log-prob of each of the ``2B`` sequences.
 
@@ -405,9 +372,5 @@ def pair_summary(pair: TokenizedPair, extra: dict | None = None) -> dict:
 
 def write_jsonl(path: Path, rows) -> None:
     """Write ``rows`` as JSON lines on rank 0 (other ranks do nothing)."""
-    if not dist.is_main():
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(json.dumps(row, ensure_ascii=False) + "\n")
+    if dist.is_main():
+        write_rows(str(path), rows)

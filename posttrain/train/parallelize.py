@@ -1,9 +1,9 @@
-"""The one function that applies activation checkpointing and FSDP2, in that fixed order.
+"""The one function that applies MLP recompute, activation checkpointing and FSDP2, in that fixed order.
 
-Order matters (as in torchtitan's ``parallelize``): checkpoint wrappers go on the decoder blocks
-first, then ``fully_shard`` wraps each (wrapped) block and finally the root, so each block's
-parameters are gathered just in time and freed after use — ZeRO-3 for parameters, gradients and
-optimizer state.
+Order matters (as in torchtitan's ``parallelize``): the MLP recompute patches each block's MLP
+forward in place; checkpoint wrappers go on the decoder blocks next; then ``fully_shard`` wraps each
+(wrapped) block and finally the root, so each block's parameters are gathered just in time and freed
+after use — ZeRO-3 for parameters, gradients and optimizer state.
 """
 
 from __future__ import annotations
@@ -13,14 +13,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
 from posttrain import dist
+from posttrain.models.blocks import decoder_layers, recompute_gated_mlp
 
 
-def decoder_layers(lm: torch.nn.Module) -> torch.nn.ModuleList:
-    decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else lm.model
-    layers = getattr(decoder, "layers", None)
-    if not isinstance(layers, torch.nn.ModuleList):
-        raise TypeError(f"{type(lm).__name__}: cannot find the decoder blocks (expected .model.layers)")
-    return layers
+def uses_fsdp(fsdp: str) -> bool:
+    """Whether ``train.fsdp`` shards in this process: ``on``, or ``auto`` with more than one rank."""
+    return fsdp == "on" or (fsdp == "auto" and dist.world_size() > 1)
 
 
 def apply_activation_checkpointing(layers: torch.nn.ModuleList, mode: str, every: int) -> int:
@@ -44,29 +42,32 @@ def parallelize(
     cpu_offload: bool,
     activation_checkpointing: str,
     ac_every: int,
+    recompute_mlp: bool = False,
 ) -> dict[str, object]:
-    """Apply AC then FSDP2 to ``root`` (whose submodule ``lm`` holds the decoder blocks), in place.
+    """Apply MLP recompute, AC, then FSDP2 to ``root`` (whose submodule ``lm`` holds the blocks), in place.
 
-    Returns a summary of what was applied. Without FSDP (one process), bf16 runs under autocast.
+    Returns a summary of what was applied. Without FSDP (one process), bf16 runs under autocast
+    (``posttrain.train.precision``).
     """
     world = dist.world_size()
-    use_fsdp = fsdp == "on" or (fsdp == "auto" and world > 1)
-    if world > 1 and not use_fsdp:
+    sharded = uses_fsdp(fsdp)
+    if world > 1 and not sharded:
         raise ValueError("train.fsdp=off with several ranks: posttrain shards with FSDP2 across ranks; use auto/on")
+    recomputed = recompute_gated_mlp(lm) if recompute_mlp else 0
     layers = decoder_layers(lm)
     checkpointed = apply_activation_checkpointing(layers, activation_checkpointing, ac_every)
-    if use_fsdp:
+    if sharded:
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else None,
             reduce_dtype=torch.float32,
         )
-        offload = CPUOffloadPolicy() if cpu_offload else None
-        kwargs = {"mp_policy": mp}
-        if offload is not None:
-            kwargs["offload_policy"] = offload
+        kwargs: dict[str, object] = {"mp_policy": mp}
+        if cpu_offload:
+            kwargs["offload_policy"] = CPUOffloadPolicy()
         for block in layers:
             fully_shard(block, **kwargs)
         fully_shard(root, **kwargs)
     elif torch.cuda.is_available():
         root.to(dist.device())
-    return {"fsdp": use_fsdp, "world_size": world, "checkpointed_blocks": checkpointed, "blocks": len(layers)}
+    return {"fsdp": sharded, "world_size": world, "checkpointed_blocks": checkpointed,
+            "recomputed_mlps": recomputed, "blocks": len(layers)}

@@ -6,37 +6,40 @@ Every token of a document carries loss (no chat template, no masks). Documents a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from posttrain import dist
 from posttrain.config.recipes import PretrainRecipe
 from posttrain.data.errors import DataError
+from posttrain.data.io import iter_jsonl
 from posttrain.data.packing import pack_examples
 from posttrain.data.records import stable_id
 from posttrain.data.tokenize import TokenizedExample
+from posttrain.models.logprobs import TokenLogprobModel
 from posttrain.train.loop import train
-from posttrain.train.runner import export_final, load_policy, loop_settings, say, start_run
-from posttrain.train.sft import build_units, sft_objective
+from posttrain.train.runner import (
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
+from posttrain.train.sft import build_units, mean_loss_evaluator, sft_source, sft_step_loss
 
 
 def read_texts(path: str) -> list[str]:
     """Documents from a .txt file (one per non-empty line) or JSONL/JSON lines with a ``text`` field."""
     texts = []
-    with open(path, encoding="utf-8", errors="strict") as handle:
-        for line_no, line in enumerate(handle, 1):
-            if not line.strip():
-                continue
-            if not path.endswith((".jsonl", ".json")):
-                texts.append(line.rstrip("\n"))
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(path, line_no, None, f"malformed JSON: {exc.msg}") from None
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
+    if path.endswith((".jsonl", ".json", ".jsonl.gz")):
+        for line_no, record in iter_jsonl(path):
+            if not isinstance(record.get("text"), str):
                 raise DataError(path, line_no, "text", "expected a string field `text`")
             texts.append(record["text"])
+    else:
+        with open(path, encoding="utf-8", errors="strict") as handle:
+            texts = [line.rstrip("\n") for line in handle if line.strip()]
     if not texts:
         raise DataError(path, None, None, "no documents")
     return texts
@@ -55,22 +58,26 @@ def tokenize_text(text: str, tokenizer, max_length: int) -> TokenizedExample:
 def run_pretrain(config: PretrainRecipe) -> int:
     run = start_run(config)
     try:
-        root, lm, tokenizer = load_policy(config)
+        geometry = batch_geometry(config)
+        root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
+        pad_id = tokenizer.pad_token_id
         texts = read_texts(config.data.train)
         examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in texts]
         say(f"{config.data.train}: {len(examples)} documents; {sum(e.truncated for e in examples)} truncated")
-        config.data.packing = True
-        units = build_units(config, examples, dist.world_size(), tokenizer.pad_token_id)
-        eval_units = []
+        units = build_units(config, examples, pad_id)
+        source = sft_source("pretrain", units, geometry, {}, pad_id, packing=True)
+        settings = loop_settings(run, lm)
         if config.data.eval:
             eval_examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in read_texts(config.data.eval)]
-            eval_units = pack_examples(eval_examples, config.train.max_length, tokenizer.pad_token_id)
-        objective = sft_objective(units, eval_units, {}, tokenizer.pad_token_id, packing=True)
-        objective.name = "pretrain"
-        code = train(root, objective, loop_settings(run, root, lm))
+            eval_units = pack_examples(eval_examples, config.train.max_length, pad_id)
+            settings.evaluate = mean_loss_evaluator(eval_units, config.train.batch_size, pad_id, True,
+                                                    config.train.precision, settings.sharded)
+        code = train(root, source, sft_step_loss, settings)
         if code == 0:
-            export_final(run, root, lm, tokenizer)
-            Path(run.output_dir / "final" / "PRETRAINED_ON.txt").write_text(f"{config.data.train}\n")
+            final = export_final(run, root, lm, tokenizer)
+            if dist.is_main():
+                Path(final / "PRETRAINED_ON.txt").write_text(f"{config.data.train}\n")
+            finish("pretrain", settings, final)
         return code
     finally:
         dist.destroy()

@@ -2,10 +2,11 @@
 
 DPO-family losses compare the policy with a frozen reference on the *same* pairs every epoch, so the
 reference's summed response log-probs are a fixed function of (reference weights, tokenised pairs).
-``reference_logps`` computes them in one no-grad pass before training, writes them next to the data
-(``<data dir>/.posttrain_ref_cache/<data name>.<key>.safetensors``; under ``<output_dir>/ref_cache`` when
-that directory is not writable or the data is remote), and reuses the file on the next run with the
-same key. The reference model lives only inside ``compute_reference_logps``: it is deleted and
+``reference_logps`` computes them in one no-grad pass before training, writes them to a cache
+directory (``dpo.reference_cache_dir``; default ``$XDG_CACHE_HOME/posttrain/reference`` — i.e.
+``~/.cache/posttrain/reference`` — or ``<output_dir>/ref_cache`` when that is not writable; never into
+the user's data folder) as ``<data name>.<key>.safetensors``, and reuses the file on the next run with
+the same key, from any output directory. The reference model lives only inside ``compute_reference_logps``: it is deleted and
 garbage-collected before the function returns, so it is never resident during training.
 
 The cache key is a SHA-256 over: the reference model directory's files (names and contents), the data
@@ -22,7 +23,6 @@ one device unsharded is not supported by this pass; use ``dpo.reference=live`` o
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import json
@@ -34,11 +34,12 @@ import fsspec
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
-from tqdm.auto import tqdm
 
 from posttrain import dist
 from posttrain.models.load import load_model
+from posttrain.progress import progress
 from posttrain.train.pairs import PairLogprobModel, TokenizedPair, collate_pairs, model_inputs, split_pairs
+from posttrain.train.precision import autocast
 
 CACHE_VERSION = 1
 _MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".json", ".pt", ".model", ".txt")
@@ -52,14 +53,14 @@ class ReferenceSpec:
     dtype: str = "float32"
     attn_implementation: str = "sdpa"
     trust_remote_code: bool = False
-    autocast_bf16: bool = False
+    precision: str = "fp32"
     prefix_sharing: bool = True
     batch_size: int = 16
     chunk_size: int = 1024
 
     def key_fields(self) -> dict:
         return {
-            "dtype": self.dtype, "attn": self.attn_implementation, "autocast_bf16": self.autocast_bf16,
+            "dtype": self.dtype, "attn": self.attn_implementation, "precision": self.precision,
             "prefix_sharing": self.prefix_sharing, "version": CACHE_VERSION,
         }
 
@@ -115,13 +116,14 @@ def cache_key(spec: ReferenceSpec, data_path: str, pairs: list[TokenizedPair]) -
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()
 
 
-def default_cache_dir(data_path: str, output_dir: str | Path) -> Path:
-    """Next to the data when it is a writable local path, else under the run's output directory."""
-    if "://" not in data_path:
-        parent = Path(data_path).resolve().parent
-        if os.access(parent, os.W_OK):
-            return parent / ".posttrain_ref_cache"
-    return Path(output_dir) / "ref_cache"
+def default_cache_dir(output_dir: str | Path) -> Path:
+    """``$XDG_CACHE_HOME/posttrain/reference`` (``~/.cache/…``), or ``<output_dir>/ref_cache`` when not writable."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "reference"
+    try:
+        base.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return Path(output_dir) / "ref_cache"
+    return base if os.access(base, os.W_OK) else Path(output_dir) / "ref_cache"
 
 
 def cache_file(cache_dir: Path, data_path: str, key: str) -> Path:
@@ -152,12 +154,6 @@ def _write_cache(path: Path, key: str, chosen: torch.Tensor, rejected: torch.Ten
     os.replace(staging, path)  # atomic: a reader never sees half a file
 
 
-def _autocast(enabled: bool):
-    if not enabled:
-        return contextlib.nullcontext()
-    return torch.autocast("cuda" if torch.cuda.is_available() else "cpu", dtype=torch.bfloat16)
-
-
 def compute_reference_logps(
     spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, desc: str = "reference log-probs"
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,8 +172,9 @@ def compute_reference_logps(
     order = sorted(range(len(pairs)), key=lambda i: -pairs[i].row_tokens(spec.prefix_sharing))[rank::world]
     batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
     try:
-        with torch.no_grad(), _autocast(spec.autocast_bf16):
-            for indices in tqdm(batches, desc=desc, disable=not dist.is_main(), leave=False):
+        # The reference is never sharded: it computes in bf16 under autocast when the run is bf16.
+        with torch.no_grad(), autocast(spec.precision, sharded=False):
+            for indices in progress(batches, desc=desc, unit="batch", disable=not dist.is_main()):
                 batch = collate_pairs([pairs[i] for i in indices], pad_token_id, spec.prefix_sharing)
                 values_c, values_r = split_pairs(root(**model_inputs(batch)).float().cpu())
                 chosen[indices] = values_c

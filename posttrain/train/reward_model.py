@@ -12,16 +12,14 @@ setup → train → evaluate → export, on the shared loop:
    forward (one row per pair with the shared prompt, as in DPO);
 4. held-out pairwise accuracy before and after training (``eval.json``, and in ``metrics.jsonl``);
 5. export to ``output_dir/final`` in HF format (loadable by ``AutoModelForSequenceClassification``), plus
-   ``posttrain_reward.json`` with the tokenisation settings that ``load_reward_scorer`` reuses.
+   ``posttrain_reward.json`` with the tokenisation settings that the scorer
+   (``posttrain.train.reward_scorer.RewardScorer``) reuses.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import math
-from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,11 +28,10 @@ from transformers import AutoModelForSequenceClassification
 from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
-from posttrain.data.records import Message
-from posttrain.data.tokenize import tokenize_prompt_completion
 from posttrain.models.load import DTYPES, load_tokenizer
-from posttrain.train.dpo import lean_mlp, parallelize_root, reshard
-from posttrain.train.loop import Objective, train
+from posttrain.train.dpo import write_eval
+from posttrain.train.evaluation import sharded_sums
+from posttrain.train.loop import train
 from posttrain.train.pairs import (
     MODEL_KEYS,
     PairData,
@@ -46,10 +43,20 @@ from posttrain.train.pairs import (
     split_pairs,
     write_jsonl,
 )
-from posttrain.train.runner import export_final, loop_settings, say, start_run
+from posttrain.train.precision import autocast
+from posttrain.train.reward_scorer import SCORER_SETTINGS
+from posttrain.train.runner import (
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
+from posttrain.train.sft import curriculum_items
+from posttrain.train.source import BatchGeometry, StreamSource
 from posttrain.train.stream import Difficulty, build_stream
-
-SCORER_SETTINGS = "posttrain_reward.json"
 
 
 class RewardModel(torch.nn.Module):
@@ -113,7 +120,27 @@ def _margins(pairs: list[TokenizedPair], enabled: bool) -> torch.Tensor | None:
     return torch.tensor([p.chosen_score - p.rejected_score for p in pairs], dtype=torch.float32)
 
 
-def rm_objective(config: RewardModelRecipe, units: list[TokenizedPair], pad_id: int) -> Objective:
+def rm_loss(config: RewardModelRecipe):
+    """The loss the loop calls per micro-batch: summed Bradley–Terry loss and metric sums over the pairs."""
+
+    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+        chosen, rejected = split_pairs(model(**reward_inputs(batch)))
+        margin = batch.get("margin")
+        per_pair = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
+        with torch.no_grad():
+            metrics = {
+                "rewards/chosen": chosen.sum(),
+                "rewards/rejected": rejected.sum(),
+                "rewards/margin": (chosen - rejected).sum(),
+                "accuracy": (chosen > rejected).sum(),
+            }
+        return per_pair.sum(), metrics
+
+    return loss
+
+
+def rm_source(config: RewardModelRecipe, units: list[TokenizedPair], geometry: BatchGeometry, pad_id: int
+              ) -> StreamSource:
     prefix_sharing = config.rm.prefix_sharing
 
     def collate(pairs: list[TokenizedPair]) -> dict[str, Any]:
@@ -123,55 +150,39 @@ def rm_objective(config: RewardModelRecipe, units: list[TokenizedPair], pad_id: 
             batch["margin"] = margin
         return batch
 
-    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        chosen, rejected = split_pairs(model(**reward_inputs(batch)))
-        margin = batch.get("margin")
-        per_pair = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
-        with torch.no_grad():
-            metrics = {
-                "rewards/chosen": float(chosen.sum()),
-                "rewards/rejected": float(rejected.sum()),
-                "rewards/margin": float((chosen - rejected).sum()),
-                "accuracy": float((chosen > rejected).sum()),
-            }
-        return per_pair.sum(), metrics
-
     def token_counts(pairs: list[TokenizedPair]) -> tuple[int, int]:
         tokens = sum(p.row_tokens(prefix_sharing) for p in pairs)
         return tokens, 2 * len(pairs)  # one scored position per sequence
 
-    return Objective(name="rm", units=units, collate=collate, normalizer=len, loss=loss, token_counts=token_counts)
+    return StreamSource("rm", units, geometry, collate=collate, normalizer=len, rank=dist.rank(),
+                        token_counts=token_counts, unit_ids=lambda pair: [pair.id])
 
 
-@torch.no_grad()
-def evaluate_rewards(config: RewardModelRecipe, root: torch.nn.Module, pairs: list[TokenizedPair],
-                     pad_id: int) -> dict[str, float]:
-    """Held-out Bradley–Terry loss and pairwise accuracy (ties count as wrong), sharded over ranks."""
-    batch_size, world, rank = config.train.batch_size, dist.world_size(), dist.rank()
-    totals = torch.zeros(4, dtype=torch.float64)
-    root.eval()
-    for index in range(math.ceil(len(pairs) / (batch_size * world))):
-        start = (index * world + rank) * batch_size
-        chunk = pairs[start : start + batch_size]
-        weight = 1.0 if chunk else 0.0
-        batch = collate_pairs(chunk or pairs[:1], pad_id, config.rm.prefix_sharing)
-        chosen, rejected = split_pairs(root(**reward_inputs(batch)))
-        margin = _margins(chunk or pairs[:1], config.rm.score_margin)
+def reward_evaluator(config: RewardModelRecipe, pairs: list[TokenizedPair], pad_id: int, sharded: bool):
+    """``evaluate(model)``: held-out Bradley–Terry loss and pairwise accuracy (ties count as wrong)."""
+
+    def measure(model: torch.nn.Module, chunk: list[TokenizedPair]) -> torch.Tensor:
+        batch = collate_pairs(chunk, pad_id, config.rm.prefix_sharing)
+        with autocast(config.train.precision, sharded):
+            chosen, rejected = split_pairs(model(**reward_inputs(batch)))
+        margin = _margins(chunk, config.rm.score_margin)
         loss = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
-        totals += weight * torch.tensor([float(loss.sum()), float((chosen > rejected).sum()),
-                                         float((chosen - rejected).sum()), float(chosen.shape[0])],
-                                        dtype=torch.float64)
-    root.train()
-    reshard(root)
-    dist.all_reduce_sum(totals)
-    count = max(float(totals[3]), 1.0)
-    return {"loss": float(totals[0]) / count, "accuracy": float(totals[1]) / count,
-            "rewards/margin": float(totals[2]) / count, "pairs": int(totals[3])}
+        return torch.stack([loss.sum(), (chosen > rejected).sum(), (chosen - rejected).sum(),
+                            torch.tensor(float(chosen.shape[0]))]).double()
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        totals = sharded_sums(model, pairs, config.train.batch_size, measure)
+        count = max(float(totals[3]), 1.0)
+        return {"loss": float(totals[0]) / count, "accuracy": float(totals[1]) / count,
+                "rewards/margin": float(totals[2]) / count, "pairs": int(totals[3])}
+
+    return evaluate
 
 
 def run_reward_model(config: RewardModelRecipe) -> int:
     run = start_run(config)
     try:
+        geometry = batch_geometry(config)
         tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         pad_id = tokenizer.pad_token_id
         data = read_pairs(config, config.data.train, tokenizer, "")
@@ -185,96 +196,40 @@ def run_reward_model(config: RewardModelRecipe) -> int:
             _check_scores(data, config.data.train)
         if not held_out:
             raise ValueError("no held-out pairs: add data.eval or raise rm.holdout_fraction")
-        lm = load_reward_lm(config.model.path, config.model.dtype, config.model.attn_implementation,
-                            config.model.trust_remote_code, pad_id)
-        root = RewardModel(lm)
-        lean_mlp(lm)
-        parallelize_root(config, root, lm)
-        world = dist.world_size()
-        per_step = config.train.batch_size * config.train.grad_accum * world
+
+        def load_lm(config: RewardModelRecipe, tokenizer) -> torch.nn.Module:
+            model = config.model
+            return load_reward_lm(model.path, model.dtype, model.attn_implementation, model.trust_remote_code,
+                                  tokenizer.pad_token_id)
+
+        root, lm, tokenizer = build_policy(config, RewardModel, load_lm)
+        items = curriculum_items(config, [Difficulty(p.tier, p.difficulty) for p in train_pairs])
         order = build_stream(
-            [Difficulty(p.tier, p.difficulty) for p in train_pairs], config.data.curriculum, config.train.seed,
-            config.train.epochs, per_step, config.train.max_steps, config.data.competence_start,
-            config.data.competence_steps, config.data.shuffle,
+            items, config.data.curriculum, config.train.seed, config.train.epochs, geometry.global_batch,
+            config.train.max_steps, config.data.competence_start, config.data.competence_steps, config.data.shuffle,
         )
         units = [train_pairs[i] for i in order]
-        say(f"{len(units)} pairs → {len(units) // per_step} steps of {per_step}")
+        say(f"{len(units)} pairs → {len(units) // geometry.global_batch} steps of {geometry.global_batch}")
         write_jsonl(run.output_dir / "pairs.jsonl",
                     [pair_summary(p, {"split": "train"}) for p in train_pairs]
                     + [pair_summary(p, {"split": "held_out"}) for p in held_out])
         if data.dropped_ids:
             write_jsonl(run.output_dir / "dropped_pairs.jsonl", [{"id": i, "reason": r} for i, r in data.dropped_ids])
-        before = evaluate_rewards(config, root, held_out, pad_id)
-        code = train(root, rm_objective(config, units, pad_id), loop_settings(run, root, lm))
+        settings = loop_settings(run, lm)
+        settings.evaluate = reward_evaluator(config, held_out, pad_id, settings.sharded)
+        before = settings.evaluate(root)
+        source = rm_source(config, units, geometry, pad_id)
+        code = train(root, source, rm_loss(config), settings)
         if code == 0:
-            after = evaluate_rewards(config, root, held_out, pad_id)
-            _write_eval(run.output_dir, len(units) // per_step, before, after)
+            after = settings.summary.evals[-1][1]
+            write_eval(run.output_dir, source.total_steps(), before, after, ("accuracy", "loss"))
             final = export_final(run, root, lm, tokenizer)
             if dist.is_main():
-                settings = {"max_length": config.train.max_length, "truncation_side": config.data.truncation_side,
-                            "held_out_accuracy": after["accuracy"]}
-                (final / SCORER_SETTINGS).write_text(json.dumps(settings, indent=1))
+                scorer_settings = {"max_length": config.train.max_length,
+                                   "truncation_side": config.data.truncation_side,
+                                   "held_out_accuracy": after["accuracy"]}
+                (final / SCORER_SETTINGS).write_text(json.dumps(scorer_settings, indent=1))
+            finish("rm", settings, final)
         return code
     finally:
         dist.destroy()
-
-
-def _write_eval(output_dir: Path, step: int, before: dict, after: dict) -> None:
-    if not dist.is_main():
-        return
-    (output_dir / "eval.json").write_text(json.dumps({"before": before, "after": after}, indent=1))
-    with open(output_dir / "metrics.jsonl", "a", encoding="utf-8") as handle:
-        for phase, values in (("before_training", before), ("after_training", after)):
-            handle.write(json.dumps({"step": step, "eval_phase": phase,
-                                     **{f"eval/{k}": v for k, v in values.items()}}) + "\n")
-    say(f"held-out pairwise accuracy {before['accuracy']:.3f} → {after['accuracy']:.3f} "
-        f"({after['pairs']} pairs); loss {before['loss']:.3f} → {after['loss']:.3f}")
-
-
-# ------------------------------------------------------------------------------------------------ scoring
-
-Conversation = Sequence[Message | dict[str, Any]] | str
-
-
-def load_reward_scorer(
-    path: str | Path, device: str | torch.device | None = None, batch_size: int = 16, max_length: int | None = None,
-    dtype: str = "float32",
-) -> Callable[[list[tuple[Conversation, str]]], list[float]]:
-    """Load a reward model exported by ``posttrain rm``; return ``score(items) -> rewards``.
-
-    ``items`` is a list of ``(prompt_messages, response_text)``; the prompt may also be a plain string
-    (one user turn). Each response is scored as the assistant's reply through the chat template, the
-    same way the model was trained. ``max_length`` defaults to the training run's.
-    """
-    path = Path(path)
-    settings_path = path / SCORER_SETTINGS
-    settings = json.loads(settings_path.read_text()) if settings_path.exists() else {}
-    max_length = max_length or settings.get("max_length", 2048)
-    side = settings.get("truncation_side", "left")
-    tokenizer = load_tokenizer(str(path))
-    device = torch.device(device) if device is not None else dist.device()
-    lm = load_reward_lm(str(path), dtype, "sdpa", False, tokenizer.pad_token_id, device).eval()
-    root = RewardModel(lm)
-
-    def score(items: list[tuple[Conversation, str]]) -> list[float]:
-        rewards: list[float] = []
-        for start in range(0, len(items), batch_size):
-            examples = []
-            for prompt, response in items[start : start + batch_size]:
-                messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
-                examples.append(tokenize_prompt_completion(
-                    messages, [{"role": "assistant", "content": response}], tokenizer, max_length, side).input_ids)
-            width = max(len(ids) for ids in examples)
-            input_ids = torch.full((len(examples), width), tokenizer.pad_token_id, dtype=torch.long)
-            mask = torch.zeros((len(examples), width), dtype=torch.long)
-            for row, ids in enumerate(examples):
-                input_ids[row, : len(ids)] = torch.tensor(ids)
-                mask[row, : len(ids)] = 1
-            positions = torch.arange(width).expand(len(examples), -1)
-            last = torch.tensor([row * width + len(ids) - 1 for row, ids in enumerate(examples)])
-            with torch.no_grad():
-                values = root(input_ids.to(device), positions.to(device), mask.to(device), last.to(device))
-            rewards.extend(float(v) for v in values.cpu())
-        return rewards
-
-    return score

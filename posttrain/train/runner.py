@@ -1,4 +1,10 @@
-"""Set-up and clean-up shared by the training recipes: ``setup → train → export → cleanup``."""
+"""Set-up and clean-up shared by the training recipes: ``setup → train → export → cleanup``.
+
+Every recipe builds its policy with ``build_policy`` (tokenizer, model, the root module that computes
+what its loss needs, MLP recompute + activation checkpointing + FSDP through ``parallelize``), its
+batch geometry with ``batch_geometry``, the loop's settings with ``loop_settings``, and ends with
+``export_final`` and ``finish`` (the one-screen summary).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +12,8 @@ import hashlib
 import json
 import random
 import sys
+import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,12 +24,12 @@ from posttrain import dist
 from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.models.load import load_model, load_tokenizer
-from posttrain.models.logprobs import TokenLogprobModel
 from posttrain.models.tiny import count_parameters
 from posttrain.train.checkpoint import export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
-from posttrain.train.loop import LoopSettings
-from posttrain.train.parallelize import parallelize
+from posttrain.train.loop import Evaluate, LoopSettings
+from posttrain.train.parallelize import parallelize, uses_fsdp
+from posttrain.train.source import BatchGeometry
 
 
 def config_hash(config: TrainingRecipe) -> str:
@@ -43,6 +51,7 @@ class Run:
 
 
 def start_run(config: TrainingRecipe) -> Run:
+    """Process group, seeds, output directory and the resolved ``config.yaml`` (the config is not changed after)."""
     dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)
@@ -56,33 +65,54 @@ def start_run(config: TrainingRecipe) -> Run:
     return Run(config, output_dir, config_hash(config))
 
 
-def load_policy(config: TrainingRecipe) -> tuple[TokenLogprobModel, torch.nn.Module, object]:
-    """Load tokenizer and model, wrap for chunked log-probs, apply AC + FSDP. Returns (root, lm, tokenizer)."""
+def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
+    """``train.global_batch_size`` over this run's ranks (a clear error when it does not split)."""
+    train = config.train
+    world = dist.world_size()
+    if world > 1 and "global_batch_size" not in train.model_fields_set:
+        warnings.warn(
+            f"train.global_batch_size is not set: the global batch is train.batch_size={train.batch_size}, split "
+            f"over {world} ranks; set train.global_batch_size explicitly to keep it fixed across restarts",
+            stacklevel=2,
+        )
+    return BatchGeometry.derive(train.global_batch, train.batch_size, world)
+
+
+def load_causal_lm(config: TrainingRecipe, tokenizer) -> torch.nn.Module:  # noqa: ARG001 - loader signature
+    model = config.model
+    return load_model(model.path, model.dtype, model.attn_implementation, model.trust_remote_code)
+
+
+def build_policy(
+    config: TrainingRecipe,
+    wrap: Callable[[torch.nn.Module], torch.nn.Module],
+    load_lm: Callable[[TrainingRecipe, object], torch.nn.Module] = load_causal_lm,
+) -> tuple[torch.nn.Module, torch.nn.Module, object]:
+    """Load tokenizer and model, wrap the model in the root module the loss calls, then ``parallelize``.
+
+    ``wrap(lm)`` builds the root (``TokenLogprobModel`` for SFT, ``PairLogprobModel`` for DPO,
+    ``RewardModel`` for RM); ``load_lm`` loads the HF model (a causal LM by default). Returns
+    ``(root, lm, tokenizer)``; ``root.lm`` is the plain HF model, for export.
+    """
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
-    lm = load_model(config.model.path, config.model.dtype, config.model.attn_implementation, config.model.trust_remote_code)
+    lm = load_lm(config, tokenizer)
     lm.config.use_cache = False
-    root = TokenLogprobModel(lm, chunk_size=config.train.loss_chunk_size)
+    root = wrap(lm)
+    train = config.train
     applied = parallelize(
-        root,
-        lm,
-        fsdp=config.train.fsdp,
-        precision=config.train.precision,
-        cpu_offload=config.train.cpu_offload,
-        activation_checkpointing=config.train.activation_checkpointing,
-        ac_every=config.train.ac_every,
+        root, lm, fsdp=train.fsdp, precision=train.precision, cpu_offload=train.cpu_offload,
+        activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
+        recompute_mlp=train.recompute_mlp,
     )
     say(f"model {config.model.path}: {count_parameters(lm) / 1e6:.2f}M parameters; {applied}")
     return root, lm, tokenizer
 
 
-def loop_settings(run: Run, root: torch.nn.Module, lm: torch.nn.Module) -> LoopSettings:
+def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = None) -> LoopSettings:
     config = run.config
-    train, health = config.train, config.health
-    uses_fsdp = dist.world_size() > 1 or train.fsdp == "on"
+    train, health, debug = config.train, config.health, config.debug
     return LoopSettings(
         output_dir=run.output_dir,
-        batch_size=train.batch_size,
-        grad_accum=train.grad_accum,
         lr=train.lr,
         lr_schedule=train.lr_schedule,
         warmup_steps=train.warmup_steps,
@@ -93,7 +123,8 @@ def loop_settings(run: Run, root: torch.nn.Module, lm: torch.nn.Module) -> LoopS
         save_every=train.save_every,
         keep_last=train.keep_last,
         log_every=train.log_every,
-        autocast_bf16=train.precision == "bf16" and not uses_fsdp,
+        precision=train.precision,
+        sharded=uses_fsdp(train.fsdp),
         params_for_mfu=count_parameters(lm, exclude_embeddings=True),
         peak_flops=train.peak_flops,
         config_hash=run.config_hash,
@@ -106,10 +137,14 @@ def loop_settings(run: Run, root: torch.nn.Module, lm: torch.nn.Module) -> LoopS
         ),
         alerts=Alerts(run.output_dir / "alerts.jsonl", config.alerts.webhook, config.alerts.timeout_s),
         max_rollbacks=health.max_rollbacks,
-        nan_steps=frozenset(config.debug.nan_steps),
-        spike_steps=frozenset(config.debug.spike_steps),
-        spike_factor=config.debug.spike_factor,
-        crash_at_step=config.debug.crash_at_step,
+        skip_steps=frozenset(health.skip_steps),
+        eval_every=train.eval_every,
+        evaluate=evaluate,
+        nan_steps=frozenset(debug.nan_steps),
+        spike_steps=frozenset(debug.spike_steps),
+        spike_factor=debug.spike_factor,
+        crash_at_step=debug.crash_at_step,
+        log_unit_ids=debug.log_unit_ids,
         tensorboard=config.metrics.tensorboard,
     )
 
@@ -121,6 +156,12 @@ def export_final(run: Run, root: torch.nn.Module, lm: torch.nn.Module, tokenizer
     if dist.is_main():
         lm_state = {key.removeprefix("lm."): value for key, value in state.items() if key.startswith("lm.")}
         export_hf(lm, lm_state, tokenizer, final)
-        say(f"exported {final} (HF format)")
     dist.barrier()
     return final
+
+
+def finish(name: str, settings: LoopSettings, export: Path | None) -> None:
+    """The one-screen summary a finished run ends with (rank 0, stderr)."""
+    settings.summary.export = str(export) if export is not None else None
+    for line in settings.summary.lines(name):
+        say(line)

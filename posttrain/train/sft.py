@@ -1,23 +1,40 @@
-"""``posttrain sft``: supervised fine-tuning with an optional easy-to-hard curriculum."""
+"""``posttrain sft``: supervised fine-tuning with an optional easy-to-hard curriculum.
+
+setup → tokenise → units (curriculum order, optionally packed) → the loop with a ``StreamSource`` and
+the SFT loss (``posttrain.algorithms.sft``) → held-out loss (``data.eval``) → export.
+"""
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 
 import torch
-from tqdm.auto import tqdm
 
 from posttrain import dist
+from posttrain.algorithms.sft import sft_loss
 from posttrain.config.recipes import SFTRecipe
+from posttrain.data.errors import DataError
 from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
-from posttrain.data.tokenize import TokenizedExample, tokenize_chat
-from posttrain.models.logprobs import IGNORE_INDEX
-from posttrain.train.loop import Objective, train
-from posttrain.train.runner import export_final, load_policy, loop_settings, say, start_run
-from posttrain.train.stream import Difficulty, build_stream
+from posttrain.data.tokenize import TokenizedExample, tokenize_records
+from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.train.evaluation import sharded_sums
+from posttrain.train.loop import train
+from posttrain.train.precision import autocast
+from posttrain.train.runner import (
+    batch_geometry,
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    say,
+    start_run,
+)
+from posttrain.train.source import BatchGeometry, StreamSource
+from posttrain.train.stream import Difficulty, build_stream, check_curriculum
 
 
 def loss_tokens(labels: list[int]) -> int:
@@ -36,33 +53,53 @@ class SFTData:
 
 
 def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str) -> SFTData:
+    """Read and tokenise SFT records; an example left with no trained token is dropped and counted.
+
+    A template that rewrites earlier turns (Qwen3-style) gives one row per such turn
+    (``posttrain.data.tokenize``); the count says so.
+    """
     quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
     )
     say(report.summary())
+    rows, tokens = tokenize_records(records, tokenizer, config.train.max_length, config.data.truncation_side,
+                                    progress=dist.is_main())
     examples, dropped = [], Counter()
-    truncated = 0
-    for record in tqdm(records, desc=f"tokenize {path}", disable=not dist.is_main(), leave=False):
-        example = tokenize_chat(record, tokenizer, config.train.max_length, config.data.truncation_side)
-        truncated += example.truncated
+    for example in rows:
         if loss_tokens(example.labels) == 0:
             dropped["no assistant tokens left after truncation"] += 1
             continue
         examples.append(example)
+    extra_rows = tokens.examples - tokens.records
     say(
-        f"{path}: {len(examples)} examples tokenized; {truncated} truncated to {config.train.max_length} tokens "
-        f"({config.data.truncation_side} side)"
+        f"{path}: {len(examples)} examples tokenized"
+        + (f" ({extra_rows} extra rows: the template rewrites earlier turns)" if extra_rows else "")
+        + f"; {tokens.truncated} truncated to {config.train.max_length} tokens ({config.data.truncation_side} side)"
         + "".join(f"; dropped {n}: {why}" for why, n in dropped.items())
     )
     return SFTData(examples, dropped)
 
 
-def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int, pad_id: int) -> list[TokenizedExample | PackedRow]:
-    """Order the examples by the curriculum, then (optionally) pack them into rows in that order."""
+def curriculum_items(config, items: list[Difficulty]) -> list[Difficulty]:
+    """The items, after refusing (or warning about) a curriculum the data carries no tiers for."""
+    try:
+        warning = check_curriculum(config.data.curriculum, items, config.data.train)
+    except ValueError as exc:
+        raise DataError(config.data.train, None, "tier", str(exc).split(": ", 1)[1]) from None
+    if warning:
+        warnings.warn(warning, stacklevel=2)
+    return items
+
+
+def build_units(config: SFTRecipe, examples: list[TokenizedExample], pad_id: int) -> list[TokenizedExample | PackedRow]:
+    """Order the examples by the curriculum, then (optionally) pack them into rows in that order.
+
+    The order depends on the global batch, never on the number of ranks.
+    """
     train = config.train
-    items = [Difficulty(e.tier, e.difficulty) for e in examples]
-    per_step = train.batch_size * train.grad_accum * world
+    items = curriculum_items(config, [Difficulty(e.tier, e.difficulty) for e in examples])
+    per_step = train.global_batch
 
     def stream(epochs: float | None, max_steps: int | None, stretch: int = 1):
         # ``stretch`` counts draws in examples when a step holds ``stretch`` examples per row (packing).
@@ -102,18 +139,22 @@ def build_units(config: SFTRecipe, examples: list[TokenizedExample], world: int,
         epochs += 1.0
 
 
-def sft_objective(
-    units: list, eval_units: list, tiers: dict[str, int | None], pad_id: int, packing: bool
-) -> Objective:
-    def collate(batch: list) -> dict[str, torch.Tensor]:
-        return collate_packed(batch) if packing else collate_padded(batch, pad_id)
+def sft_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
+    """The loss the loop calls per micro-batch: summed NLL of the loss tokens (the loop normalises)."""
+    logprobs, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"))
+    return sft_loss(logprobs), {}
 
-    def loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
-        logprobs, _ = model(
-            batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids")
-        )
-        return -logprobs.sum(), {}
 
+def _collate(packing: bool, pad_id: int):
+    def collate(units: list) -> dict[str, torch.Tensor]:
+        batch = collate_packed(units) if packing else collate_padded(units, pad_id)
+        return {key: value.to(dist.device()) for key, value in batch.items()}
+
+    return collate
+
+
+def sft_source(name: str, units: list, geometry: BatchGeometry, tiers: dict[str, int | None], pad_id: int,
+               packing: bool) -> StreamSource:
     def members(unit) -> list[str]:
         return unit.example_ids if packing else [unit.id]
 
@@ -127,37 +168,54 @@ def sft_objective(
             sum(loss_tokens(u.labels) for u in batch),
         )
 
-    return Objective(
-        name="sft",
-        units=units,
-        collate=collate,
-        normalizer=lambda batch: sum(loss_tokens(u.labels) for u in batch),
-        loss=loss,
-        describe=describe,
-        token_counts=token_counts,
-        eval_units=eval_units,
+    return StreamSource(
+        name, units, geometry, collate=_collate(packing, pad_id),
+        normalizer=lambda batch: sum(loss_tokens(u.labels) for u in batch), rank=dist.rank(),
+        describe=describe, token_counts=token_counts, unit_ids=members,
     )
+
+
+def mean_loss_evaluator(units: list, batch_size: int, pad_id: int, packing: bool, precision: str, sharded: bool):
+    """``evaluate(model) -> {"loss": token-mean NLL, "tokens"}`` over held-out units, sharded over ranks."""
+    collate = _collate(packing, pad_id)
+
+    def measure(model: torch.nn.Module, chunk: list) -> torch.Tensor:
+        with autocast(precision, sharded):
+            loss_sum, _ = sft_step_loss(model, collate(chunk))
+        return torch.tensor([float(loss_sum), float(sum(loss_tokens(u.labels) for u in chunk))], dtype=torch.float64)
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        total = sharded_sums(model, units, batch_size, measure)
+        return {"loss": float(total[0] / max(float(total[1]), 1.0)), "tokens": int(total[1])}
+
+    return evaluate
 
 
 def run_sft(config: SFTRecipe) -> int:
     run = start_run(config)
     try:
-        root, lm, tokenizer = load_policy(config)
+        geometry = batch_geometry(config)
+        root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
+        pad_id = tokenizer.pad_token_id
         data = tokenize_sft(config, config.data.train, tokenizer, "")
-        units = build_units(config, data.examples, dist.world_size(), tokenizer.pad_token_id)
+        units = build_units(config, data.examples, pad_id)
         eval_examples = tokenize_sft(config, config.data.eval, tokenizer, "-eval").examples if config.data.eval else []
-        eval_units = pack_examples(eval_examples, config.train.max_length, tokenizer.pad_token_id) if config.data.packing else eval_examples
-        per_step = config.train.batch_size * config.train.grad_accum * dist.world_size()
-        leftover = len(units) % per_step
+        eval_units = pack_examples(eval_examples, config.train.max_length, pad_id) if config.data.packing else eval_examples
+        leftover = len(units) % geometry.global_batch
         say(
-            f"{len(units)} {'packed rows' if config.data.packing else 'examples'} → {len(units) // per_step} steps "
-            f"of {per_step}" + (f"; the last {leftover} do not fill a step and are not used" if leftover else "")
+            f"{len(units)} {'packed rows' if config.data.packing else 'examples'} → {len(units) // geometry.global_batch} "
+            f"steps of {geometry.global_batch} ({geometry.world} rank(s) × {geometry.grad_accum} micro-batch(es) of "
+            f"{geometry.micro_batch})" + (f"; the last {leftover} do not fill a step and are not used" if leftover else "")
         )
         tiers = {e.id: e.tier for e in data.examples}
-        objective = sft_objective(units, eval_units, tiers, tokenizer.pad_token_id, config.data.packing)
-        code = train(root, objective, loop_settings(run, root, lm))
+        source = sft_source("sft", units, geometry, tiers, pad_id, config.data.packing)
+        settings = loop_settings(run, lm)
+        if eval_units:
+            settings.evaluate = mean_loss_evaluator(eval_units, config.train.batch_size, pad_id, config.data.packing,
+                                                    config.train.precision, settings.sharded)
+        code = train(root, source, sft_step_loss, settings)
         if code == 0:
-            export_final(run, root, lm, tokenizer)
+            finish("sft", settings, export_final(run, root, lm, tokenizer))
         return code
     finally:
         dist.destroy()

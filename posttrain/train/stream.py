@@ -12,9 +12,10 @@ Curricula (``data.curriculum``):
   uniformly from the easiest fraction ``c(t) = min(1, sqrt(c0² + (1 − c0²) · t / T))`` of the data,
   sorted by (tier, difficulty); c rises from ``c0`` to 1 at step ``T``.
 
-Units: a unit is what ``train.batch_size`` counts — one example, or one packed row of several
-examples. Step ``s`` consumes units ``[s·G, (s+1)·G)`` with ``G = batch_size × grad_accum × world``;
-rank ``r``'s micro-batch ``a`` is the slice ``s·G + (a·W + r)·B`` of length ``B``.
+Units: a unit is what ``train.global_batch_size`` counts — one example, one packed row of several
+examples, or one preference pair. Step ``s`` consumes units ``[s·G, (s+1)·G)``; how a step's units
+split over ranks and micro-batches is ``posttrain.train.source.BatchGeometry``'s business. ``G``
+does not depend on the number of ranks, so neither does the stream.
 """
 
 from __future__ import annotations
@@ -104,8 +105,25 @@ def build_stream(
     return np.concatenate(orders)[:wanted]
 
 
-def step_slice(step: int, micro: int, rank: int, batch_size: int, grad_accum: int, world: int) -> slice:
-    """The units rank ``rank`` uses for micro-batch ``micro`` of optimizer step ``step``."""
-    global_batch = batch_size * grad_accum * world
-    start = step * global_batch + (micro * world + rank) * batch_size
-    return slice(start, start + batch_size)
+def check_curriculum(curriculum: str, items: Sequence[Difficulty], source: str) -> str | None:
+    """Refuse a curriculum the data cannot drive; return a warning text when only some items are tagged.
+
+    ``tiered`` orders by ``tier``, ``competence`` by (tier, difficulty): on data without either, both would
+    silently train in an arbitrary order. Untagged items sit in the middle (tier 2, difficulty 0).
+    """
+    if curriculum == "none" or not items:
+        return None
+    tiered = sum(item.tier is not None for item in items)
+    scored = sum(item.difficulty is not None for item in items)
+    usable = tiered if curriculum == "tiered" else max(tiered, scored)
+    needs = "`tier` (1-3)" if curriculum == "tiered" else "`tier` (1-3) or `difficulty`"
+    if usable == 0:
+        raise ValueError(
+            f"{source}: data.curriculum={curriculum} but none of the {len(items)} records has {needs}, so it "
+            "would train in an arbitrary order; tag the records (posttrain curate assigns tiers) or set "
+            "data.curriculum=none"
+        )
+    if usable < len(items):
+        return (f"{source}: {len(items) - usable} of {len(items)} records have no {needs}; data.curriculum="
+                f"{curriculum} places them with tier 2")
+    return None

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.reward import bradley_terry_loss, pairwise_accuracy
-from posttrain.algorithms.sft import sft_loss
+from posttrain.algorithms.sft import sft_loss, token_mean
 
 
 def _neg_logsigmoid(x: float) -> float:
@@ -42,21 +42,22 @@ def test_pairwise_accuracy_counts_ties_as_wrong():
 
 def test_sft_loss_hand_value():
     logps = torch.tensor([-0.5, -1.5, -2.0])
-    assert float(sft_loss(logps, 4)) == pytest.approx((0.5 + 1.5 + 2.0) / 4)
+    assert float(sft_loss(logps)) == pytest.approx(0.5 + 1.5 + 2.0)
+    assert float(token_mean(sft_loss(logps), 4)) == pytest.approx((0.5 + 1.5 + 2.0) / 4)
 
 
 def test_sft_loss_with_global_token_count_matches_full_batch_mean_under_accumulation():
     torch.manual_seed(0)
     micro_batches = [torch.randn(n).abs().neg() for n in (3, 11, 1, 7)]
     total_tokens = sum(m.numel() for m in micro_batches)
-    accumulated = sum(float(sft_loss(m, total_tokens)) for m in micro_batches)
+    accumulated = sum(float(token_mean(sft_loss(m), total_tokens)) for m in micro_batches)
     full = torch.cat(micro_batches)
     assert accumulated == pytest.approx(-sum(full.tolist()) / total_tokens, rel=1e-6)
     # Per-micro-batch normalisation would not match: the count must be global.
-    local = sum(float(sft_loss(m, m.numel())) for m in micro_batches) / len(micro_batches)
+    local = sum(float(token_mean(sft_loss(m), m.numel())) for m in micro_batches) / len(micro_batches)
     assert local != pytest.approx(accumulated, rel=1e-3)
 
 
-def test_sft_loss_rejects_an_empty_step():
+def test_an_empty_step_is_refused():
     with pytest.raises(ValueError, match="num_loss_tokens must be positive"):
-        sft_loss(torch.zeros(0), 0)
+        token_mean(sft_loss(torch.zeros(0)), 0)

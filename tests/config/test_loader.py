@@ -25,7 +25,7 @@ def write(tmp_path, data) -> str:
 def test_good_recipe_loads_with_defaults(tmp_path):
     config = load_config(SFTRecipe, write(tmp_path, GOOD))
     assert config.train.lr == 1e-4
-    assert config.train.grad_accum == 1
+    assert config.train.global_batch == config.train.batch_size  # global_batch_size defaults to the micro-batch
     assert config.health.spike_zscore == 6.0
 
 

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
+
 from posttrain.cli import main
 from posttrain.config import load_config
 from posttrain.curate.config import FeedbackRecipe
 from posttrain.curate.feedback import ingest_feedback
+from posttrain.data.errors import DataError
 from posttrain.data.records import PreferencePair, SFTExample
 
 from .conftest import read_jsonl, write_jsonl
@@ -66,3 +71,39 @@ def test_cli_feedback_without_existing_sets(tmp_path, capsys):
     feedback = write_jsonl(tmp_path / "fb.jsonl", [{"prompt": "Q?", "bad_response": "x", "better_response": "y"}])
     code = main(["feedback", f"feedback={feedback}", f"output_dir={tmp_path / 'o'}"])
     assert code == 0 and "[sft] existing 0, total 1" in capsys.readouterr().out
+
+
+def test_existing_sets_must_be_valid_records_of_their_kind(tmp_path):
+    feedback = write_jsonl(tmp_path / "fb.jsonl", [{"prompt": "Q?", "bad_response": "x", "better_response": "y"}])
+    sft = write_jsonl(tmp_path / "sft.jsonl", [
+        {"messages": [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"}]},
+        {"prompt": "Q2", "chosen": "A2", "rejected": "B2"},
+    ])  # fmt: skip
+    config = load_config(FeedbackRecipe, None, [f"output_dir={tmp_path / 'o'}", f"feedback={feedback}", f"sft={sft}"])
+    with pytest.raises(DataError) as info:
+        ingest_feedback(config)
+    assert (info.value.path, info.value.line) == (str(sft), 2) and "drop `rejected`" in info.value.reason
+
+
+def test_feedback_and_existing_sets_in_other_formats(tmp_path):
+    from posttrain.data.io import write_records
+    from posttrain.data.records import PreferencePair
+
+    feedback = tmp_path / "fb.json"
+    feedback.write_text(json.dumps([{"prompt": [{"role": "user", "content": "What is 7 * 6?"}],
+                                     "bad_response": "48", "better_response": "42", "reason": "wrong product"},
+                                    {"prompt": "", "bad_response": "a", "better_response": "b"}]))  # fmt: skip
+    old_pair = PreferencePair(prompt=[{"role": "user", "content": "What is 7 * 6?"}],
+                              chosen=[{"role": "assistant", "content": "42"}],
+                              rejected=[{"role": "assistant", "content": "48"}])  # fmt: skip
+    prefs = tmp_path / "prefs.parquet"
+    write_records(str(prefs), [old_pair])
+    out = tmp_path / "o"
+    config = load_config(FeedbackRecipe, None, [f"output_dir={out}", f"feedback={feedback}", f"preferences={prefs}"])
+    funnel = ingest_feedback(config)["funnel"]
+    parse = next(s for s in funnel["preferences"]["stages"] if s["stage"] == "parse")
+    assert parse["dropped"] == {"empty_prompt": 1}
+    dedup = next(s for s in funnel["preferences"]["stages"] if s["stage"] == "dedup")
+    assert dedup["dropped"] == {"exact_duplicate": 1}  # the same pair as the one already in the Parquet set
+    assert [r["id"] for r in read_jsonl(out / "preferences.jsonl")] == [old_pair.id]
+    assert [r["messages"][-1]["content"] for r in read_jsonl(out / "sft.jsonl")] == ["42"]

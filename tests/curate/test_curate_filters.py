@@ -9,7 +9,9 @@ import pytest
 from posttrain.curate.config import FiltersConfig, NormalizeConfig
 from posttrain.curate.filters import FILTERS, FilterStage, register_filter
 from posttrain.curate.normalize import NormalizeStage, normalize_text
-from posttrain.curate.rows import Row, parse_line
+from posttrain.curate.rows import FUNNEL_REASONS, Row, parse_line
+from posttrain.data.formats import CATEGORIES
+from posttrain.data.records import SFTExample
 
 GOOD_PROMPT = "Explain why the sky looks blue during the day."
 GOOD_RESPONSE = (
@@ -134,6 +136,8 @@ def parsed(raw: bytes):
         {"prompt": [{"role": "user", "content": "Q?"}], "completion": "A."},
         {"instruction": "Q?", "input": "", "output": "A."},
         {"conversations": [{"from": "human", "value": "Q?"}, {"from": "gpt", "value": "A."}]},
+        {"conversations": [{"from": "user", "value": "Q?"}, {"from": "model", "value": "A."}]},
+        {"prompt": "Q?", "completion": [{"role": "assistant", "content": "A."}]},
     ],
 )
 def test_accepted_record_shapes(record):
@@ -145,7 +149,9 @@ def test_accepted_record_shapes(record):
 def test_ids_are_kept_or_derived_from_content():
     assert parsed(b'{"id": "abc", "prompt": "Q?", "response": "A."}').id == "abc"
     first = parsed(b'{"prompt": "Q?", "response": "A."}').id
-    assert first == parsed(b'{"prompt": "Q?",  "response": "A."}').id and first.startswith("rec-")
+    assert first == parsed(b'{"prompt": "Q?",  "response": "A."}').id != parsed(b'{"prompt": "Q", "response": "A."}').id
+    # The same id training gives the record: curation and SFT read through one parser.
+    assert first == SFTExample(messages=[{"role": "user", "content": "Q?"}, {"role": "assistant", "content": "A."}]).id
 
 
 @pytest.mark.parametrize(
@@ -160,6 +166,18 @@ def test_ids_are_kept_or_derived_from_content():
         (b'{"messages": [{"role": "wizard", "content": "x"}]}', "bad_field"),
         (b'{"messages": "nope"}', "bad_field"),
         (b'{"instruction": 3, "output": "x"}', "bad_field"),
+        (b'{"instruction": "Q?"}', "bad_field"),
+        (b'{"prompt": "Q?", "response": "  "}', "empty_response"),
+        (b'{"instruction": "Q?", "output": ""}', "empty_response"),
+        (b'{"prompt": " ", "response": "A."}', "empty_prompt"),
+        (b'{"messages": [{"role": "user", "content": "Q?"}, {"role": "assistant", "content": ""}]}', "empty_message"),
+        (b'{"messages": [{"role": "user", "content": "Q?"}]}', "missing_response"),
+        (b'{"prompt": "Q?", "answer": "4"}', "missing_response"),
+        (b'{"prompt": "Q?", "chosen": "A.", "rejected": "B."}', "wrong_kind"),
+        (b'{"chosen": "\\n\\nHuman: Q?\\n\\nAssistant: A.", "rejected": "\\n\\nHuman: Q?\\n\\nAssistant: B."}',
+         "wrong_kind"),
+        (b'{"prompt": "Q?", "response": "A.", "tier": 7}', "bad_field"),
+        (b"   ", "blank_line"),
         (b"[" * 100_000 + b"]" * 100_000, "malformed_json"),
     ],
 )
@@ -167,4 +185,14 @@ def test_bad_lines_become_named_drops(raw, expected):
     result = parsed(raw)
     assert not isinstance(result, Row)
     drop, text = result
-    assert drop.reason == expected and isinstance(text, str)
+    assert drop.reason == expected and isinstance(text, str) and drop.detail
+
+
+def test_every_data_layer_category_has_a_funnel_reason():
+    assert set(FUNNEL_REASONS) == set(CATEGORIES)
+    assert all(reason.isidentifier() and reason.islower() for reason in FUNNEL_REASONS.values())
+
+
+def test_a_drop_says_how_to_convert_a_record_of_another_kind():
+    drop, _ = parsed(b'{"prompt": "Q?", "answer": "4"}')
+    assert "SFT needs `messages`" in drop.detail and "`prompt` + `completion`" in drop.detail

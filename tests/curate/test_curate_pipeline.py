@@ -19,6 +19,15 @@ def accounted_lines(output_dir) -> tuple[list[dict], list[dict]]:
     return read_jsonl(output_dir / "kept.jsonl"), read_jsonl(output_dir / "dropped.jsonl")
 
 
+def pool_records(path) -> list[dict]:
+    """The well-formed records of the noisy pool file (the fixture appends four broken lines)."""
+    return [json.loads(line) for line in path.read_bytes().splitlines()[:-4]]
+
+
+def empty_responses(path) -> int:
+    return sum(not record["response"].strip() for record in pool_records(path))
+
+
 def test_noisy_pool_funnel_accounts_for_every_line(raw_pool_file, tmp_path):
     out = tmp_path / "out"
     manifest = curate(make_config(raw_pool_file, out))
@@ -34,7 +43,11 @@ def test_noisy_pool_funnel_accounts_for_every_line(raw_pool_file, tmp_path):
     stages = {s["stage"]: s for s in funnel["stages"]}
     for stage in funnel["stages"]:
         assert stage["in"] == stage["kept"] + sum(stage["dropped"].values())
-    assert stages["parse"]["dropped"] == {"blank_line": 1, "invalid_utf8": 1, "malformed_json": 1, "unknown_format": 1}
+    # The pool's planted empty answers are not SFT examples: the data layer refuses them at parse time.
+    empty = empty_responses(raw_pool_file)
+    assert empty and empty == sum(record["meta"]["planted"] == "empty" for record in pool_records(raw_pool_file))
+    assert stages["parse"]["dropped"] == {"blank_line": 1, "invalid_utf8": 1, "malformed_json": 1, "unknown_format": 1,
+                                          "empty_response": empty}
 
 
 def test_planted_noise_is_dropped_for_the_right_reasons(raw_pool_file, tmp_path):
@@ -115,7 +128,9 @@ def test_stages_switch_off(raw_pool_file, tmp_path):
     off = [f"{s}.enabled=false" for s in ("filters", "exact_dedup", "near_dedup", "verify", "judge", "difficulty")]
     manifest = curate(make_config(raw_pool_file, out, "intent.enabled=false", *off))
     assert [s["stage"] for s in manifest["funnel"]["stages"]] == ["parse", "normalize"]
-    assert manifest["funnel"]["kept"] == manifest["funnel"]["input"] - 4
+    parse_drops = sum(manifest["funnel"]["stages"][0]["dropped"].values())
+    assert parse_drops == 4 + empty_responses(raw_pool_file)  # the four broken lines and the empty answers
+    assert manifest["funnel"]["kept"] == manifest["funnel"]["input"] - parse_drops
 
 
 def test_cli_runs_the_recipe_and_prints_the_funnel(raw_pool_file, tmp_path, capsys):

@@ -9,8 +9,10 @@ import torch
 
 from posttrain.config import load_config
 from posttrain.curate.config import RewardModelConfig, SampleRecipe
+from posttrain.curate.rows import Drop
 from posttrain.curate.sample import Sampler, best_and_worst, parse_prompt, rejection_sample
 from posttrain.curate.scorers import PromptRecord, RewardModelScorer
+from posttrain.data.io import parse_json_line
 from posttrain.data.records import PreferencePair, SFTExample
 from posttrain.generate import Completion
 
@@ -73,14 +75,52 @@ def test_keeps_the_verifier_best_candidate_and_emits_pairs(tmp_path):
     assert reasons == {"malformed_json", "below_min_score"}
 
 
+def prompt_of(line: bytes) -> PromptRecord | Drop:
+    return parse_prompt(parse_json_line(line), 1)
+
+
 def test_prompt_parsing_reads_answer_keys_and_rejects_bad_lines():
-    prompt = parse_prompt(json.dumps({"messages": [{"role": "user", "content": "Hi"},
-                                                   {"role": "assistant", "content": "x"}]}).encode(), 1)  # fmt: skip
+    prompt = prompt_of(json.dumps({"messages": [{"role": "user", "content": "Hi"},
+                                                {"role": "assistant", "content": "x"}]}).encode())  # fmt: skip
     assert isinstance(prompt, PromptRecord) and prompt.messages == [{"role": "user", "content": "Hi"}]
     assert not prompt.verifiable
-    assert parse_prompt(b"\xff", 1).reason == "invalid_utf8"
-    assert parse_prompt(b'{"text": "x"}', 1).reason == "no_prompt"
-    assert parse_prompt(b'{"prompt": "   "}', 1).reason == "no_prompt"
+    assert prompt_of(b"\xff").reason == "invalid_utf8"
+    assert prompt_of(b"{oops").reason == "malformed_json"
+    assert prompt_of(b'{"text": "x"}').reason == "unknown_format"
+    assert prompt_of(b'{"prompt": "   "}').reason == "empty_prompt"
+    assert prompt_of(b'{"prompt": "q", "tier": 9}').reason == "bad_field"
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"prompt": "What is 2 + 2?", "answer": 4, "verifier": "numeric", "tier": 2},
+        {"prompt": [{"role": "user", "content": "What is 2 + 2?"}], "meta": {"answer": "4", "verifier": "numeric"}},
+        {"messages": [{"role": "user", "content": "What is 2 + 2?"}], "answer": "4", "verifier": "numeric"},
+        {"conversations": [{"from": "human", "value": "What is 2 + 2?"}, {"from": "gpt", "value": "5"}],
+         "meta": {"answer": "4", "verifier": "numeric"}},
+        {"prompt": "What is 2 + 2?", "completion": "5", "answer": "4", "verifier": "numeric"},
+        {"instruction": "What is 2 + 2?", "output": "5", "answer": "4", "verifier": "numeric"},
+        {"prompt": "What is 2 + 2?", "chosen": "4", "rejected": "5", "answer": "4", "verifier": "numeric"},
+    ],
+)
+def test_any_record_gives_its_prompt_and_answer_key(record):
+    prompt = prompt_of(json.dumps(record).encode())
+    assert prompt.messages[-1] == {"role": "user", "content": "What is 2 + 2?"}
+    assert (prompt.answer, prompt.verifier, prompt.verifiable) == ("4", "numeric", True)
+
+
+def test_prompts_from_parquet_are_read_through_the_data_layer(tmp_path):
+    from posttrain.data.io import write_records
+    from posttrain.data.records import RLPrompt
+
+    source = str(tmp_path / "prompts.parquet")
+    write_records(source, [RLPrompt(prompt=[{"role": "user", "content": "What is 1 + 1?"}], answer="2",
+                                    verifier="numeric", id="p")])  # fmt: skip
+    config = sample_config(tmp_path, source, "sampling.n=2")
+    manifest = rejection_sample(config, Sampler(config, backend=FixedPolicy({"What is 1 + 1?": ["3", "2"]})))
+    kept = read_jsonl(tmp_path / "out" / "sft.jsonl")
+    assert [r["messages"][-1]["content"] for r in kept] == ["2"] and manifest["funnel"]["input"] == 1
 
 
 def test_end_to_end_with_the_tiny_policy_and_judge(tiny_model_dir, tmp_path):
@@ -110,14 +150,15 @@ def tiny_reward_model(tiny_model_dir, tmp_path_factory):
 
 
 def test_reward_model_scores_the_last_token_and_ignores_padding(tiny_reward_model):
-    scorer = RewardModelScorer(RewardModelConfig(path=tiny_reward_model, batch_size=4))
+    scorer = RewardModelScorer(RewardModelConfig(path=tiny_reward_model, batch_size=2))
+    prompt = [{"role": "user", "content": "Name a fruit."}]
     texts = ["short", "a much longer piece of text than the first one", "mid length text"]
-    batched = scorer.score_texts(texts)
+    batched = scorer.score([PromptRecord("q", prompt)], [texts])[0]
+    one = scorer.scorer
     for text, score in zip(texts, batched, strict=True):
-        ids = scorer.tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
-        with torch.no_grad():
-            hidden = scorer.model.model(input_ids=ids).last_hidden_state
-            manual = scorer.model.score(hidden[:, -1]).item()
+        ids = torch.tensor([one.encode(prompt, text)])
+        with torch.no_grad():  # HF's own forward on the unpadded chat, read at its last token
+            manual = one.root.lm(input_ids=ids).logits[0, 0].item()
         assert score == pytest.approx(manual, abs=1e-5)
     assert len(set(batched)) == 3
 

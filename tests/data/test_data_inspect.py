@@ -49,7 +49,7 @@ def test_malformed_file_exits_2_naming_file_line_and_field(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(PAIR) + "\n" + json.dumps({"prompt": "q", "chosen": "a", "rejected": 3}) + "\n")
     assert main(["data", "inspect", str(path)]) == 2
-    assert f"{path}:2: `rejected`: expected a string, got int" in capsys.readouterr().err
+    assert f"{path}:2: `rejected`: expected a string or a list of messages, got int" in capsys.readouterr().err
 
 
 def test_quarantine_mode_reports_bad_records_by_reason(tmp_path, capsys):
@@ -97,3 +97,14 @@ def test_length_stats_uses_actual_lengths():
     stats = length_stats([5, 1, 3, 2, 4, 100], max_length=4)
     assert (stats["min"], stats["p50"], stats["max"], stats["over_max_length"]) == (1, 3, 100, 2)
     assert length_stats([], 4) == {"count": 0, "over_max_length": 0}
+
+
+def test_counts_the_formats_users_bring(tmp_path, capsys):
+    path = tmp_path / "brought.jsonl"
+    hh = {"chosen": "\n\nHuman: Name a fruit.\n\nAssistant: apple", "rejected": "\n\nHuman: Name a fruit.\n\nAssistant: x"}
+    rows = [hh, {"prompt": "q", "completion": "a"}, {"prompt": "q2", "response": "a2"}, {"prompt": "q", "answer": "1"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["data", "inspect", str(path), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)["report"]
+    assert report["formats"] == {"hh_rlhf": 1, "prompt_completion": 2, "rl": 1}
+    assert report["kinds"] == {"preference": 1, "sft": 2, "rl": 1}

@@ -9,7 +9,20 @@ import json
 import pytest
 
 from posttrain.data.errors import DataError
-from posttrain.data.io import iter_jsonl, read_records, write_records
+from posttrain.data.formats import BLANK_LINE, INVALID_UTF8, MALFORMED_JSON, NOT_AN_OBJECT
+from posttrain.data.io import (
+    BadLine,
+    append_jsonl,
+    iter_jsonl,
+    iter_raw_records,
+    jsonl_writer,
+    parse_json_line,
+    read_jsonl,
+    read_records,
+    source_layout,
+    write_jsonl,
+    write_records,
+)
 from posttrain.data.records import PreferencePair, RLPrompt, SFTExample
 from posttrain.data.samples import sample_sft_records
 
@@ -94,8 +107,9 @@ def test_clean_read_creates_no_quarantine_file(tmp_path):
 
 def test_wrong_kind_is_an_error(tmp_path):
     path = write_lines(tmp_path / "pairs.jsonl", [good(GOOD_PAIR)])
-    with pytest.raises(DataError, match=r"pairs.jsonl:1: a 'preference' record .* where 'sft' records"):
+    with pytest.raises(DataError, match=r"pairs.jsonl:1: a 'preference' record .* where 'sft' records") as info:
         read_records(path, kind="sft", progress=False)
+    assert "SFT needs `messages`" in str(info.value) and "drop `rejected`" in str(info.value)
     _, report = read_records(path, kind="sft", on_error="quarantine", progress=False)
     assert report.reasons == {"wrong record kind": 1}
 
@@ -202,3 +216,83 @@ def test_parquet_errors_name_the_row(tmp_path):
 def test_write_refuses_unknown_suffix(tmp_path):
     with pytest.raises(ValueError, match="use .jsonl or .parquet"):
         write_records(str(tmp_path / "x.csv"), [])
+
+
+# -- the one JSON-line decoder and the one writer ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("line", "category"),
+    [
+        (b"", BLANK_LINE),
+        (b"  \r\n", BLANK_LINE),
+        (b"caf\xe9", INVALID_UTF8),
+        (b'{"text": "\\ud800"}', INVALID_UTF8),  # a lone surrogate cannot be written back as UTF-8
+        (b"{oops", MALFORMED_JSON),
+        (b"[" * 100_000 + b"]" * 100_000, MALFORMED_JSON),  # too deep to parse: not a crash
+        (b"[1, 2]", NOT_AN_OBJECT),
+        (b'"text"', NOT_AN_OBJECT),
+    ],
+)
+def test_parse_json_line_names_what_is_wrong(line, category):
+    result = parse_json_line(line)
+    assert isinstance(result, BadLine) and result.category == category and result.reason
+
+
+def test_parse_json_line_accepts_objects_with_line_endings_and_surrogate_pairs():
+    assert parse_json_line(b'{"a": 1}\r\n') == {"a": 1}
+    assert parse_json_line(b'{"emoji": "\\ud83d\\ude00"}') == {"emoji": "\U0001f600"}
+
+
+def test_iter_raw_records_yields_blank_and_bad_lines_with_their_numbers(tmp_path):
+    path = write_lines(tmp_path / "raw.jsonl", [good(GOOD_SFT), b"", b"{bad", good(GOOD_PAIR)])
+    items = list(iter_raw_records(path))
+    assert [line for line, _ in items] == [1, 2, 3, 4]
+    assert [item.category for _, item in items if isinstance(item, BadLine)] == [BLANK_LINE, MALFORMED_JSON]
+    assert items[3][1] == GOOD_PAIR
+
+
+@pytest.mark.parametrize("name", ["rows.jsonl", "rows.jsonl.gz"])
+def test_write_jsonl_round_trips_and_appends(tmp_path, name):
+    path = str(tmp_path / "sub" / name)
+    rows = [{"a": 1, "text": "é"}, {"b": [1, 2]}]
+    assert write_jsonl(path, rows) == 2
+    assert read_jsonl(path) == rows
+    if not name.endswith(".gz"):
+        assert append_jsonl(path, [{"c": None}]) == 1
+        assert read_jsonl(path) == [*rows, {"c": None}]
+
+
+def test_jsonl_writer_leaves_the_old_file_when_the_writing_fails(tmp_path):
+    path = tmp_path / "out.jsonl"
+    write_jsonl(str(path), [{"old": True}])
+    with pytest.raises(RuntimeError):
+        with jsonl_writer(str(path)) as out:
+            out.write({"new": 1})
+            raise RuntimeError("interrupted")
+    assert read_jsonl(str(path)) == [{"old": True}]
+    assert [p.name for p in tmp_path.iterdir()] == ["out.jsonl"]  # no temporary file left behind
+
+
+def test_source_layout(tmp_path):
+    lines = write_lines(tmp_path / "a.json", [good(GOOD_SFT)])
+    (tmp_path / "b.json").write_text(json.dumps([GOOD_SFT]))
+    assert (source_layout(lines), source_layout(str(tmp_path / "b.json"))) == ("lines", "rows")
+    write_records(str(tmp_path / "c.parquet"), sample_sft_records(1))
+    assert source_layout(str(tmp_path / "c.parquet")) == "rows"
+
+
+def test_hh_rlhf_and_prompt_completion_files_read_by_kind(tmp_path):
+    hh = {"chosen": "\n\nHuman: Name a fruit.\n\nAssistant: apple",
+          "rejected": "\n\nHuman: Name a fruit.\n\nAssistant: chair"}
+    path = write_lines(tmp_path / "hh.jsonl", [good(hh), good({"prompt": "q", "completion": "a"})])
+    records, report = read_records(path, kind="preference", on_error="quarantine", progress=False)
+    assert report.formats == {"hh_rlhf": 1} and report.reasons == {"wrong record kind": 1}
+    assert records[0].prompt[0].content == "Name a fruit."
+
+
+def test_a_lone_surrogate_in_a_json_array_is_bad_utf8_too(tmp_path):
+    path = tmp_path / "a.json"
+    path.write_text('[{"prompt": "q", "completion": "\\ud800"}, {"prompt": "q", "completion": "\\ud83d\\ude00"}]')
+    records, report = read_records(str(path), on_error="quarantine", progress=False)
+    assert report.reasons == {INVALID_UTF8: 1} and records[0].messages[-1].content == "\U0001f600"

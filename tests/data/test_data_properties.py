@@ -8,14 +8,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tokenizers import processors
 from transformers.masking_utils import find_packed_sequence_indices
 
+from posttrain.data.chat import encode_prompt
 from posttrain.data.packing import collate_packed, pack_examples
 from posttrain.data.tokenize import IGNORE_INDEX, TokenizedExample, tokenize_chat, tokenize_prompt_completion
 
 # NFC-stable characters (the tiny tokenizer normalises to NFC), whitespace runs, and multi-byte text.
 ALPHABET = "abcdefghijklmnopqrstuvwxyzABCXYZ0123456789 .,!?'-:;()\n\téü中文🙂"
-EOT, GEN_PROMPT = "<|eot|>", "<|assistant|>\n"
+EOT = "<|eot|>"
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 # Leading/trailing whitespace runs are where BPE merges template text into content tokens: make them common.
@@ -49,44 +51,52 @@ def labelled_runs(example: TokenizedExample) -> list[list[int]]:
     return runs + ([current] if current else [])
 
 
-def assert_run_is_the_turn(decoded: str, content: str, gen_prompt: str) -> None:
-    """A run is the turn's content + end token, possibly led by template whitespace that BPE merged into
-    the first content token (then that token is trained rather than lost)."""
-    assert decoded.endswith(content + EOT), (decoded, content)
-    extra = decoded[: len(decoded) - len(content + EOT)]
-    assert gen_prompt.endswith(extra) and not extra.strip(), (decoded, content)
-
-
-# The tiny model's ChatML-like template, and one whose generation prompt ends in a space, so that the
-# first content token often swallows template text (" The" after "assistant:").
+# The tiny model's ChatML-like template; one whose generation prompt ends in a space, which BPE would merge
+# into the first content token (" The" after "assistant:") if the turn were not encoded from where the
+# prompt ends; and the ChatML-like one without "{{ bos_token }}" on a tokenizer that adds BOS itself.
 TEMPLATES = {
-    "chatml": (None, GEN_PROMPT),
+    "chatml": (None, False),
     "colon": ("{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|eot|>\n{% endfor %}"
-              "{% if add_generation_prompt %}assistant: {% endif %}", "assistant: "),
+              "{% if add_generation_prompt %}assistant: {% endif %}", False),
+    "implicit-bos": ("{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|eot|>\n' }}{% endfor %}"
+                     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}", True),
 }
 
 
 @pytest.fixture(scope="module", params=sorted(TEMPLATES))
 def chat_tokenizer(request, tiny_tokenizer):
-    template, gen_prompt = TEMPLATES[request.param]
+    """``(tokenizer, text the tokenizer puts in front of the rendering)``."""
+    template, implicit_bos = TEMPLATES[request.param]
     tokenizer = copy.deepcopy(tiny_tokenizer)
     if template is not None:
         tokenizer.chat_template = template
-    return tokenizer, gen_prompt
+    if implicit_bos:
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    return tokenizer, tokenizer.bos_token if implicit_bos else ""
 
 
 @SETTINGS
 @given(messages=conversations())
 def test_mask_is_exactly_the_assistant_turns(chat_tokenizer, messages):
-    tokenizer, gen_prompt = chat_tokenizer
+    tokenizer, implicit = chat_tokenizer
     example = tokenize_chat(messages, tokenizer, max_length=10**6)
     assert all(label in (IGNORE_INDEX, token) for token, label in zip(example.input_ids, example.labels, strict=True))
-    assert tokenizer.decode(example.input_ids) == tokenizer.apply_chat_template(messages, tokenize=False)
+    assert tokenizer.decode(example.input_ids) == implicit + tokenizer.apply_chat_template(messages, tokenize=False)
+    # Exactly content + end token: the turn is encoded from where its prompt ends, so no template text
+    # (the colon template's trailing space) is merged into its first token.
     runs = [tokenizer.decode(run) for run in labelled_runs(example)]
-    contents = [m["content"] for m in messages if m["role"] == "assistant"]
-    assert len(runs) == len(contents)
-    for decoded, content in zip(runs, contents, strict=True):
-        assert_run_is_the_turn(decoded, content, gen_prompt)
+    assert runs == [m["content"] + EOT for m in messages if m["role"] == "assistant"]
+
+
+@SETTINGS
+@given(messages=conversations())
+def test_prompt_ids_are_the_ids_generation_samples_from(chat_tokenizer, messages):
+    tokenizer, _ = chat_tokenizer
+    last = max(i for i, m in enumerate(messages) if m["role"] == "assistant")
+    example = tokenize_prompt_completion(messages[:last], [messages[last]], tokenizer, 10**6)
+    first = next(i for i, label in enumerate(example.labels) if label != IGNORE_INDEX)
+    assert example.input_ids[:first] == encode_prompt(tokenizer, messages[:last])
 
 
 @SETTINGS

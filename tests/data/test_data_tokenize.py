@@ -7,6 +7,7 @@ import copy
 import pytest
 from tokenizers import processors
 
+from posttrain.data.chat import chat_facts, encode_prompt
 from posttrain.data.records import Message, PreferencePair, SFTExample
 from posttrain.data.samples import sample_sft_records
 from posttrain.data.tokenize import (
@@ -79,19 +80,24 @@ def test_record_tags_are_carried(tiny_tokenizer):
     assert (example.id, example.tier, example.difficulty) == ("abc", 3, 0.7)
 
 
-def test_turn_without_eos_ends_at_its_last_non_space_character(tiny_tokenizer):
+def test_plain_text_end_of_turn_is_found_from_the_template(tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = (
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }} [END]\n\n{% endfor %}"
         "{% if add_generation_prompt %}assistant: {% endif %}"
     )
+    assert chat_facts(tokenizer).end_of_turn == " [END]"
     example = tokenize_chat(CHAT[1:3], tokenizer, 512)
-    # BPE merges the generation prompt's trailing space into " The"; that token is trained (not lost),
-    # and the "\n\n" between turns is not.
-    assert [tokenizer.decode(run) for run in labelled_runs(example)] == [" The answer is 42. [END]"]
+    # The generation prompt ends in a space that BPE would merge into " The". Training encodes the turn
+    # from where the prompt ends, as generation samples it: the prompt keeps its " " token, the turn
+    # starts with "The", and the "\n\n" between turns is not trained.
+    assert [tokenizer.decode(run) for run in labelled_runs(example)] == ["The answer is 42. [END]"]
+    prompt_ids = encode_prompt(tokenizer, CHAT[1:2])
+    assert example.input_ids[: len(prompt_ids)] == prompt_ids and tokenizer.decode(prompt_ids[-1:]) == " "
+    assert example.labels[len(prompt_ids) - 1] == IGNORE_INDEX != example.labels[len(prompt_ids)]
 
 
-def test_template_that_rewrites_earlier_turns_is_refused(tiny_tokenizer):
+def test_template_whose_prompt_is_not_a_prefix_of_the_turn_is_refused(tiny_tokenizer):
     tokenizer = copy.deepcopy(tiny_tokenizer)
     tokenizer.chat_template = (
         "{% for m in messages %}{% if loop.last %}LAST {% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -99,6 +105,49 @@ def test_template_that_rewrites_earlier_turns_is_refused(tiny_tokenizer):
     )
     with pytest.raises(TemplateError, match="not prefix-consistent at message 1"):
         tokenize_chat(CHAT[1:5], tokenizer, 512)
+
+
+def test_tail_after_the_last_message_is_not_trained(tiny_tokenizer):
+    # No end-of-turn text, but an EOS appended after the last message only (Phi-3 style, minus "<|end|>").
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (
+        "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ 'assistant: ' }}{% else %}{{ eos_token }}{% endif %}"
+    )
+    facts = chat_facts(tokenizer)
+    assert (facts.end_of_turn, facts.tail) == ("", EOT)
+    example = tokenize_chat(CHAT[1:5], tokenizer, 512)
+    assert [tokenizer.decode(run) for run in labelled_runs(example)] == ["The answer is 42.", "olleh"]
+    assert tokenizer.decode(example.input_ids[-1:]) == EOT
+
+
+def test_template_that_refuses_the_probe_chat_ends_turns_after_eos(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (
+        "{% if messages[0]['role'] != 'system' %}{{ raise_exception('a system message comes first') }}{% endif %}"
+        + tokenizer.chat_template
+    )
+    assert chat_facts(tokenizer).end_of_turn is None
+    example = tokenize_chat(CHAT, tokenizer, 512)
+    assert [tokenizer.decode(run) for run in labelled_runs(example)] == [m.content + EOT for m in CHAT[2::2]]
+    with pytest.raises(TemplateError, match="a system message comes first"):
+        tokenize_chat(CHAT[1:], tokenizer, 512)
+
+
+def test_chat_that_starts_with_an_assistant_turn_is_refused(tiny_tokenizer):
+    with pytest.raises(TemplateError, match="message 0 of .* is an assistant turn"):
+        tokenize_chat([Message(role="assistant", content="Hello!"), *CHAT[1:3]], tiny_tokenizer, 512)
+
+
+def test_template_facts_follow_edits_to_the_tokenizer(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    assert (chat_facts(tokenizer).end_of_turn, chat_facts(tokenizer).implicit_prefix) == (EOT, ())
+    tokenizer.chat_template = tokenizer.chat_template.replace("<|eot|>", " [END]")
+    tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    facts = chat_facts(tokenizer)
+    assert (facts.end_of_turn, facts.implicit_prefix) == (" [END]", (tokenizer.bos_token_id,))
+    assert chat_facts(tiny_tokenizer).end_of_turn == EOT  # the original is untouched
 
 
 @pytest.mark.parametrize("side", ["right", "left"])
@@ -176,3 +225,16 @@ def test_preference_pair_shares_the_prompt(tiny_tokenizer):
     first_r = next(i for i, label in enumerate(rejected.labels) if label != IGNORE_INDEX)
     assert first_c == first_r and chosen.input_ids[:first_c] == rejected.input_ids[:first_r]
     assert tiny_tokenizer.decode(labelled_runs(rejected)[0]) == "chair" + EOT
+
+
+def test_a_chat_the_template_refuses_is_named_in_the_error(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = (  # roles must alternate, as Mistral's and Llama-2's templates demand
+        "{% for m in messages %}{% if loop.index0 > 0 and m['role'] == messages[loop.index0 - 1]['role'] %}"
+        "{{ raise_exception('roles must alternate') }}{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    good = SFTExample(messages=CHAT[1:5], id="good")
+    bad = SFTExample(messages=[*CHAT[1:3], Message(role="assistant", content="And more.")], id="bad")
+    assert len(tokenize_records([good], tokenizer, 512, progress=False)[0]) == 1
+    with pytest.raises(TemplateError, match="failed to render bad .*roles must alternate"):
+        tokenize_records([good, bad], tokenizer, 512, progress=False)

@@ -3,14 +3,18 @@ EOS end sequences, n samples per prompt, chat prompts get the template."""
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
 import torch
+from tokenizers import processors
 
 from posttrain.data.records import Message
+from posttrain.data.tokenize import IGNORE_INDEX, tokenize_prompt_completion
 from posttrain.generate import HFBackend, SamplingParams, get_backend, render_prompt
-from posttrain.models.load import load_model
+from posttrain.models.load import load_model, load_tokenizer
+from tests.conftest import CHAT_TEXTS
 
 PROMPTS = [
     "What is 12 plus 30?",
@@ -147,3 +151,46 @@ def test_vllm_backend_missing_gives_install_hint(tiny_model_dir):
             get_backend("vllm", model_path=tiny_model_dir)
     else:
         pytest.skip("vLLM is installed here; the missing-dependency message cannot be exercised")
+
+
+@pytest.mark.parametrize("implicit_bos", [False, True], ids=["template-bos", "tokenizer-bos"])
+def test_chat_prompt_is_sampled_from_the_ids_training_puts_before_the_completion(tiny_model_dir, tiny_tokenizer,
+                                                                                  implicit_bos):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    if implicit_bos:  # the template no longer writes BOS; the tokenizer adds it to plain text
+        tokenizer.chat_template = tokenizer.chat_template.replace("{{ bos_token }}", "")
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{tokenizer.bos_token} $A", special_tokens=[(tokenizer.bos_token, tokenizer.bos_token_id)])
+    model = load_model(tiny_model_dir)
+    seen = []
+    hook = model.register_forward_pre_hook(lambda _, args, kwargs: seen.append(kwargs["input_ids"]), with_kwargs=True)
+    chat = [Message(role="system", content="Be brief."), Message(role="user", content="Reverse the word hello")]
+    HFBackend(model, tokenizer).generate([chat], SamplingParams(temperature=0.0, max_new_tokens=2), progress=False)
+    hook.remove()
+    trained = tokenize_prompt_completion(chat, [Message(role="assistant", content="olleh")], tokenizer, 10**6)
+    first = next(i for i, label in enumerate(trained.labels) if label != IGNORE_INDEX)
+    assert seen[0][0].tolist() == trained.input_ids[:first]
+    assert seen[0][0].tolist().count(tokenizer.bos_token_id) == 1
+
+
+def test_template_end_of_turn_token_ends_a_sequence_when_it_is_not_eos(tmp_path):
+    from posttrain.models.tiny import build_tiny_model
+
+    path = build_tiny_model(tmp_path / "phi", texts=CHAT_TEXTS, vocab_size=400, extra_special_tokens=("<|end|>",))
+    tokenizer = load_tokenizer(str(path))
+    tokenizer.chat_template = (  # Phi-3 style: turns end with <|end|>; EOS only after the last message
+        "{% for m in messages %}{{ '<|' + m['role'] + '|>\n' + m['content'] + '<|end|>\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% else %}{{ eos_token }}{% endif %}")
+    end = tokenizer.convert_tokens_to_ids("<|end|>")
+    assert end != tokenizer.eos_token_id
+    model = load_model(str(path))
+    backend = HFBackend(model, tokenizer)
+    prompt, params = [Message(role="user", content="What is 12 plus 30?")], SamplingParams(temperature=0.0,
+                                                                                           max_new_tokens=12)
+    free = backend.generate([prompt], params, progress=False)[0][0]
+    target = free.token_ids[3]
+    assert end < target and end not in free.token_ids[:4]  # on a tie, the lower id wins the argmax
+    with torch.no_grad():
+        model.lm_head.weight[end] = model.lm_head.weight[target]
+    ended = backend.generate([prompt], params, progress=False)[0][0]
+    assert ended.finish_reason == "eos" and ended.token_ids[-1] == end and len(ended.token_ids) <= 4

@@ -30,12 +30,13 @@ def assert_same_trajectory(run_a, run_b, weight_atol=1e-4):
 
 
 def test_accumulation_equivalence_and_every_parameter_moves(tiny_model_dir, sft_data, tmp_path):
-    common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false"}
+    common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false",
+              "train.global_batch_size": 8}
     big = tmp_path / "b8a1"
     small = tmp_path / "b1a8"
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, big, **common, **{"train.batch_size": 8})) == 0
     assert run_in_process(
-        base_overrides(tiny_model_dir, sft_data, small, **common, **{"train.batch_size": 1, "train.grad_accum": 8})
+        base_overrides(tiny_model_dir, sft_data, small, **common, **{"train.batch_size": 1})
     ) == 0
     assert_same_trajectory(big, small)
     a = final_weights(big)
@@ -52,7 +53,8 @@ def test_accumulation_equivalence_and_every_parameter_moves(tiny_model_dir, sft_
 
 @pytest.mark.slow
 def test_two_ranks_equal_one_rank(tiny_model_dir, sft_data, tmp_path):
-    common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false"}
+    common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false",
+              "train.global_batch_size": 8}
     one = tmp_path / "one"
     two = tmp_path / "two"
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, one, **common, **{"train.batch_size": 8})) == 0

@@ -1,9 +1,11 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from posttrain.train.schedule import lr_multiplier
-from posttrain.train.stream import Difficulty, build_stream, competence, difficulty_order, step_slice
+from posttrain.train.source import BatchGeometry, BatchSizeError
+from posttrain.train.stream import Difficulty, build_stream, competence, difficulty_order
 
 
 def items(n=30):
@@ -43,13 +45,31 @@ def test_none_is_a_fresh_permutation_per_epoch_and_seeded():
 
 
 def test_step_slices_partition_the_global_batch():
-    batch, accum, world = 2, 3, 2
+    geometry = BatchGeometry.derive(global_batch=12, batch_size=2, world=2)
+    assert (geometry.per_rank, geometry.micro_batch, geometry.grad_accum) == (6, 2, 3)
     seen = []
-    for micro in range(accum):
-        for rank in range(world):
-            s = step_slice(5, micro, rank, batch, accum, world)
+    for micro in range(geometry.grad_accum):
+        for rank in range(geometry.world):
+            s = geometry.micro_slice(5, micro, rank)
             seen.extend(range(s.start, s.stop))
     assert sorted(seen) == list(range(5 * 12, 6 * 12))
+
+
+def test_a_step_holds_the_same_units_on_any_number_of_ranks():
+    for world, batch_size in ((1, 3), (2, 2), (3, 4), (4, 1), (6, 2)):
+        geometry = BatchGeometry.derive(global_batch=12, batch_size=batch_size, world=world)
+        units = sorted(
+            i for micro in range(geometry.grad_accum) for rank in range(world)
+            for i in range(*geometry.micro_slice(3, micro, rank).indices(10**6))
+        )
+        assert units == list(range(36, 48)), world
+
+
+def test_a_global_batch_that_does_not_split_is_refused_with_the_fix():
+    with pytest.raises(BatchSizeError, match="multiple of 4"):
+        BatchGeometry.derive(global_batch=10, batch_size=2, world=4)
+    with pytest.raises(BatchSizeError, match=r"train.batch_size to one of \[1, 2, 3, 6\]"):
+        BatchGeometry.derive(global_batch=12, batch_size=4, world=2)
 
 
 def test_lr_schedules():

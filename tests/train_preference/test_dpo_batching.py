@@ -112,8 +112,8 @@ def test_reward_head_reads_the_same_last_token_in_both_layouts(pref_model_dir):
 
 
 def test_recomputed_gated_mlp_gives_the_same_loss_and_gradients(pref_model_dir):
+    from posttrain.models.blocks import recompute_gated_mlp
     from posttrain.models.load import load_tokenizer
-    from posttrain.train.pairs import recompute_gated_mlp
 
     tokenizer = load_tokenizer(pref_model_dir)
     data = tokenize_pairs(make_pairs(4), tokenizer, 64, "left")

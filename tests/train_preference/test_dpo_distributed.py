@@ -16,7 +16,8 @@ from tests.train_preference.conftest import dpo_overrides, read_jsonl, run_cli
 @pytest.mark.parametrize("reference", ["precomputed", "live"])
 def test_two_ranks_equal_one_rank(pref_model_dir, pref_data, tmp_path, reference):
     common = {"train.max_steps": 3, "train.max_grad_norm": "null", "data.shuffle": "false",
-              "dpo.reference": reference, "dpo.reference_cache_dir": str(tmp_path / "cache")}
+              "dpo.reference": reference, "dpo.reference_cache_dir": str(tmp_path / "cache"),
+              "train.global_batch_size": 8}
     one, two = tmp_path / "one", tmp_path / "two"
     assert run_cli("dpo", dpo_overrides(pref_model_dir, pref_data, one, **common, **{"train.batch_size": 8})) == 0
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m",

@@ -97,3 +97,30 @@ def test_the_reference_model_is_freed_after_the_pass(pref_model_dir, tmp_path):
     gc.collect()
     assert sum(isinstance(o, PreTrainedModel) for o in gc.get_objects()) == before
     assert chosen.shape == rejected.shape == (8,) and bool((chosen < 0).all())
+
+
+def test_the_default_cache_is_under_xdg_cache_home_and_reused_by_another_run(pref_model_dir, tmp_path, monkeypatch):
+    cache_home = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_home))
+    data_dir = tmp_path / "data"
+    data = {"train": str(write_jsonl(data_dir / "pairs.jsonl", preference_rows(16, seed=3)))}
+    extra = {"train.max_steps": 1}
+    assert run_cli("dpo", dpo_overrides(pref_model_dir, data, tmp_path / "first", **extra)) == 0
+    cached = list((cache_home / "posttrain" / "reference").glob("pairs.jsonl.*.safetensors"))
+    assert len(cached) == 1
+    assert sorted(p.name for p in data_dir.iterdir()) == ["pairs.jsonl"]  # nothing written beside the data
+    before = cached[0].stat().st_mtime_ns
+    assert run_cli("dpo", dpo_overrides(pref_model_dir, data, tmp_path / "second", **extra)) == 0
+    assert cached[0].stat().st_mtime_ns == before  # reused, not recomputed
+
+
+def test_the_reference_free_losses_run_from_the_shipped_recipe(pref_model_dir, pref_data, tmp_path):
+    from tests.train.conftest import ROOT
+
+    recipe = str(ROOT / "recipes" / "dpo_tiny.yaml")
+    for loss in ("simpo", "orpo", "ipo"):
+        overrides = dpo_overrides(pref_model_dir, {"train": pref_data["train"]}, tmp_path / loss,
+                                  **{"train.max_steps": 1, "dpo.loss": loss})
+        from posttrain.cli import main
+
+        assert main(["dpo", "--config", recipe, *overrides, "data.eval=null"]) == 0, loss

@@ -37,7 +37,7 @@ def test_killed_run_resumes_to_the_same_result(pref_model_dir, pref_data, tmp_pa
     for step in (2, 3):  # run again after the resume, from the restored state
         assert steps_resumed[step]["loss"] == pytest.approx(steps_whole[step]["loss"], rel=1e-6)
     assert max_diff(final_weights(whole), final_weights(resumed)) < 1e-6
-    state = {run: json.loads((run / "checkpoints" / "step-000004" / "trainer-rank0.json").read_text())
+    state = {run: json.loads((run / "checkpoints" / "step-000004" / "trainer.json").read_text())["source"]
              for run in (whole, resumed)}
     assert state[resumed]["bco_count"] == state[whole]["bco_count"] == 4 * 2 * 8
     assert state[resumed]["bco_mean"] == pytest.approx(state[whole]["bco_mean"], rel=1e-6)

@@ -14,7 +14,7 @@ from posttrain.config import load_config
 from posttrain.config.preference import DPORecipe
 from posttrain.data.io import read_records
 from posttrain.models.load import load_model, load_tokenizer
-from posttrain.train.dpo import METRIC_KEYS, ReferenceSource, pair_losses
+from posttrain.train.dpo import METRIC_KEYS, ReferenceLogps, pair_losses
 from posttrain.train.pairs import PairLogprobModel, collate_pairs, model_inputs, split_pairs, tokenize_pairs
 from tests.train_preference.conftest import dpo_overrides, read_jsonl, run_cli
 
@@ -35,7 +35,9 @@ def test_one_step_of_each_loss_widens_the_margin_on_its_batch(name, pref_model_d
     batch = collate_pairs(pairs, tokenizer.pad_token_id, True)
     with torch.no_grad():
         start = split_pairs(root(**model_inputs(batch)))
-    reference = ReferenceSource(table=start) if LOSS_SPECS[name].needs_reference else ReferenceSource()
+    reference = ReferenceLogps(table=start) if LOSS_SPECS[name].needs_reference else ReferenceLogps()
+    reference.attach(batch)
+    batch["bco_delta"] = 0.0
 
     @torch.no_grad()
     def margin() -> float:
@@ -47,7 +49,7 @@ def test_one_step_of_each_loss_widens_the_margin_on_its_batch(name, pref_model_d
 
     before = margin()
     optimizer = torch.optim.SGD(root.parameters(), lr=0.05)
-    per_pair, _, _ = pair_losses(config, batch, root(**model_inputs(batch)), reference, 0.0)
+    per_pair, _, _ = pair_losses(config, batch, root(**model_inputs(batch)))
     per_pair.mean().backward()
     optimizer.step()
     assert margin() > before
@@ -106,6 +108,6 @@ def test_bco_running_delta_is_checkpointed(pref_model_dir, pref_data, tmp_path):
     out = tmp_path / "bco"
     extra = {"dpo.loss": "bco_pair", "train.max_steps": 2, "train.save_every": 1}
     assert run_cli("dpo", dpo_overrides(pref_model_dir, {"train": pref_data["train"]}, out, **extra)) == 0
-    saved = json.loads((out / "checkpoints" / "step-000002" / "trainer-rank0.json").read_text())
+    saved = json.loads((out / "checkpoints" / "step-000002" / "trainer.json").read_text())["source"]
     assert saved["bco_count"] == 2 * 2 * 8  # chosen and rejected rewards of 2 steps of 8 pairs
     assert saved["bco_mean"] != 0.0

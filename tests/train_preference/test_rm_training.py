@@ -10,7 +10,8 @@ from transformers import AutoModelForSequenceClassification
 from posttrain.data.io import read_records
 from posttrain.models.load import load_tokenizer
 from posttrain.train.pairs import tokenize_pairs
-from posttrain.train.reward_model import holdout_split, load_reward_scorer
+from posttrain.train.reward_model import holdout_split
+from posttrain.train.reward_scorer import load_reward_scorer
 from tests.train_preference.conftest import dpo_overrides, preference_rows, read_jsonl, run_cli, write_jsonl
 
 

@@ -1,0 +1,72 @@
+"""What a run tells its user: eval during training, the closing summary, warnings and errors for surprises."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import yaml
+
+from posttrain.config.recipes import SFTRecipe
+from tests.train.conftest import base_overrides, read_jsonl, run_in_process, run_subprocess
+
+
+def test_eval_every_runs_the_eval_set_during_training_and_the_summary_reports_it(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    overrides = base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 6, "train.eval_every": 2,
+                                                                "data.eval": sft_data})
+    proc = run_subprocess(overrides)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    evals = [m for m in read_jsonl(out / "metrics.jsonl") if "eval/loss" in m]
+    assert [m["step"] for m in evals] == [2, 4, 6]  # every 2 steps, and at the end
+    losses = [m["eval/loss"] for m in evals]
+    assert losses[-1] < losses[0]  # the eval set is the training set here: it must go down
+    summary = proc.stderr[proc.stderr.index("sft finished"):]
+    best = min(losses)
+    assert "6 steps" in summary and f"best {best:.4f} (step {evals[losses.index(best)]['step']})" in summary
+    assert f"final {losses[-1]:.4f} (step 6)" in summary
+    assert "tokens/s" in summary and "peak memory" in summary and str(out / "final") in summary
+    # stderr is a pipe here: progress comes as a few whole lines, not carriage-return updates.
+    assert "\r" not in proc.stderr.replace("\r\n", "\n")
+    assert len([line for line in proc.stderr.splitlines() if line.startswith("[posttrain] sft:")]) <= 11
+
+
+def test_a_curriculum_on_data_without_tiers_is_refused(tiny_model_dir, tmp_path, capsys):
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}"}]}
+            for i in range(16)]
+    data = tmp_path / "untiered.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    code = run_in_process(base_overrides(tiny_model_dir, str(data), tmp_path / "out", **{"data.curriculum": "tiered"}))
+    assert code == 2
+    assert "none of the 16 records has `tier`" in capsys.readouterr().err
+
+
+def test_a_partly_tiered_curriculum_warns_with_the_count(tiny_model_dir, tmp_path):
+    rows = [{"messages": [{"role": "user", "content": f"Say {i}."}, {"role": "assistant", "content": f"{i}"}],
+             **({"tier": 1 + i % 3} if i % 2 else {})} for i in range(16)]
+    data = tmp_path / "half.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.warns(UserWarning, match="8 of 16 records have no `tier`"):
+        assert run_in_process(base_overrides(tiny_model_dir, str(data), tmp_path / "out",
+                                             **{"data.curriculum": "tiered", "train.max_steps": 2})) == 0
+
+
+def test_warmup_as_long_as_the_run_warns_and_alerts(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    with pytest.warns(UserWarning, match="warmup_steps=6 is as long as the whole run"):
+        assert run_in_process(base_overrides(tiny_model_dir, sft_data, out,
+                                             **{"train.max_steps": 4, "train.warmup_steps": 6})) == 0
+    assert any(a["kind"] == "config_warning" for a in read_jsonl(out / "alerts.jsonl"))
+
+
+def test_the_resolved_config_is_the_config_the_run_used(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 2})) == 0
+    resolved = SFTRecipe.model_validate(yaml.safe_load((out / "config.yaml").read_text()))
+    assert resolved.train.global_batch == 4 and resolved.train.epochs is None and resolved.train.max_steps == 2
+    # Run from the written config: the same run (same config hash), so it resumes without a warning.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert run_in_process(["--config", str(out / "config.yaml")]) == 0
+    assert [a["step"] for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "resumed"] == [2]
