@@ -62,7 +62,7 @@ def test_sft_help_shows_defaults_as_written_in_yaml():
     assert "train.lr (float, default 2e-05)" in text
     assert "model.path (str, required): Local HF-format directory" in text
     assert "data.packing (bool, default false)" in text
-    assert "train.max_steps (int | None, default null): Overrides epochs when set." in text
+    assert "train.max_steps (int | None, default null): " in text
     assert "train.lr_schedule (constant|linear|cosine, default cosine)" in text
     assert "train.betas (tuple[float, float], default [0.9, 0.95])" in text
 

@@ -18,7 +18,6 @@ from pathlib import Path
 
 from posttrain.data.errors import DataError
 from posttrain.data.formats import BLANK_LINE, UNKNOWN_FORMAT, FormatError, to_prompt
-from posttrain.data.io import BadLine, is_record_source, iter_lines, iter_raw_records, jsonl_writer
 from posttrain.data.records import Message
 
 
@@ -81,6 +80,8 @@ def read_prompts(path: str | Path) -> list[tuple[str, str | list[Message]]]:
     a chat without its last assistant reply, a pair's prompt), kept as plain text when the record's
     ``prompt`` is a string. Any other file holds one raw prompt per line.
     """
+    from posttrain.data.io import BadLine, is_record_source, iter_raw_records  # fsspec: not for --help
+
     path = str(path)
     if not is_record_source(path):
         return _text_prompts(path)
@@ -111,6 +112,8 @@ def read_prompts(path: str | Path) -> list[tuple[str, str | list[Message]]]:
 
 def _text_prompts(path: str) -> list[tuple[str, str]]:
     """One raw prompt per non-blank line, its id the line number."""
+    from posttrain.data.io import iter_lines
+
     prompts = []
     for number, data in iter_lines(path):
         try:
@@ -123,6 +126,8 @@ def _text_prompts(path: str) -> list[tuple[str, str]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from posttrain.data.io import jsonl_writer
+
     params = sampling_from_args(args)
     prompts = read_prompts(args.prompts)
     if not prompts:
