@@ -117,7 +117,7 @@ def test_the_default_cache_is_under_xdg_cache_home_and_reused_by_another_run(pre
 def test_the_reference_free_losses_run_from_the_shipped_recipe(pref_model_dir, pref_data, tmp_path):
     from tests.train.conftest import ROOT
 
-    recipe = str(ROOT / "recipes" / "dpo_tiny.yaml")
+    recipe = str(ROOT / "posttrain" / "recipes" / "dpo_tiny.yaml")
     for loss in ("simpo", "orpo", "ipo"):
         overrides = dpo_overrides(pref_model_dir, {"train": pref_data["train"]}, tmp_path / loss,
                                   **{"train.max_steps": 1, "dpo.loss": loss})
