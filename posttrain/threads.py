@@ -4,7 +4,7 @@ torch's CPU kernels run on an OpenMP pool (libgomp in the Linux wheels), one thr
 parallel regions its threads spin-wait, and torch's gaps between regions are shorter than libgomp's
 spin, so an idle thread never sleeps: it keeps its core busy. That is fastest on a machine nobody else
 uses, and a disaster on a shared one: beside one other job (another training run, a test suite, another
-user) every core is fought over by spinning threads, and both jobs slow down by 10× or more (the
+user) every core is fought over by spinning threads, and both jobs slow down by 5× or more (the
 quickstart took 24 minutes instead of 4). ``configure_threads`` therefore sets:
 
 * the thread count: ``requested`` when the caller has an explicit setting (a recipe's ``threads:``
@@ -14,11 +14,12 @@ quickstart took 24 minutes instead of 4). ``configure_threads`` therefore sets:
   whoever has work.
 
 Measured (``benchmarks/threads.py``, figures in ``benchmarks/README.md``): with PASSIVE, a second copy
-beside the first costs what sharing the cores fairly costs (about 2×), not 10–30×; a load-average rule
-(one thread when the cores look busy) bought nothing on top of PASSIVE and reacts a minute late; short
-spins (``GOMP_SPINCOUNT``) were worse than PASSIVE under contention. The price: on an otherwise idle
-machine the tiny demo models run at about one thread's speed (their kernels are too small to gain
-from waking a sleeping thread). On a machine of your own, ``OMP_WAIT_POLICY=ACTIVE`` brings spinning back.
+beside the first costs what sharing the cores fairly costs (about 2× on 2 cores), not the 5–34× of
+spinning; a load-average rule (one thread when the cores look busy) bought nothing on top of PASSIVE
+and reacts a minute late; short spins (``GOMP_SPINCOUNT``) were worse than PASSIVE under contention.
+The price: on an otherwise idle machine the tiny demo model trains about 1.4× slower than with
+spinning threads (still faster than one thread; 1.08× on a 4× wider model). On a machine of your own,
+``OMP_WAIT_POLICY=ACTIVE`` brings spinning back.
 
 OpenMP reads these variables once, when torch loads it: call this before the first ``import torch``
 (the CLI does, before every command). If torch is already imported, only ``torch.set_num_threads`` can
