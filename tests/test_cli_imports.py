@@ -13,8 +13,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 # Imported only by the work itself. numpy is here too: nothing on the parse / help / validate path needs it.
 HEAVY = ("torch", "transformers", "tokenizers", "safetensors", "numpy", "datasets", "pyarrow", "fsspec", "ray",
          "tqdm")
@@ -84,8 +82,6 @@ def test_help_version_and_validate_import_no_heavy_library(tmp_path):
     assert not heavy, f"these commands imported heavy modules: {heavy}"
 
 
-@pytest.mark.xfail(strict=True, reason="DPOConfig's validator imports the loss registry "
-                   "(posttrain.algorithms.preference), which imports torch; passes once the loss specs are torch-free")
 def test_validate_of_a_dpo_recipe_imports_no_heavy_library(tmp_path):
     argv = ["validate", "--quiet", "--config", "dpo_tiny"]
     entry = next(entry for entry in _report([argv], tmp_path) if entry["argv"] == argv)

@@ -22,33 +22,23 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from posttrain.algorithms.preference_specs import LOSS_SPECS, LossSpec, check_loss_params  # noqa: F401 - re-exported
 from posttrain.algorithms.registry import Registry
 
 LOSSES: Registry = Registry("preference loss")
 
 
-@dataclass(frozen=True)
-class LossSpec:
-    """What a loss reads besides the policy log-probs."""
+def _loss(name: str):
+    """Register a loss function under ``name``; what it reads is declared in ``LOSS_SPECS`` (torch-free)."""
 
-    name: str
-    needs_reference: bool
-    needs_lengths: bool
-    params: tuple[str, ...]  # keyword parameters it reads (beyond the log-prob tensors and lengths)
-
-
-LOSS_SPECS: dict[str, LossSpec] = {}
-
-
-def _loss(name: str, *, needs_reference: bool = True, needs_lengths: bool = False, params=("beta",)):
     def add(function):
-        LOSSES.add(name, function)  # raises on a duplicate name before the spec is touched
-        LOSS_SPECS[name] = LossSpec(name, needs_reference, needs_lengths, tuple(params))
+        if name not in LOSS_SPECS:
+            raise ValueError(f"preference loss {name!r} has no row in posttrain.algorithms.preference_specs.LOSS_SPECS")
+        LOSSES.add(name, function)
         return function
 
     return add
@@ -127,7 +117,7 @@ def dpo_sigmoid_loss(
     return -F.logsigmoid(beta * (rho_c - rho_r))
 
 
-@_loss("cdpo", params=("beta", "label_smoothing"))
+@_loss("cdpo")
 def conservative_dpo_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -151,7 +141,7 @@ def conservative_dpo_loss(
     return -(1 - label_smoothing) * F.logsigmoid(logits) - label_smoothing * F.logsigmoid(-logits)
 
 
-@_loss("robust", params=("beta", "label_smoothing"))
+@_loss("robust")
 def robust_dpo_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -195,7 +185,7 @@ def hinge_loss(
     return torch.relu(1 - beta * (rho_c - rho_r))
 
 
-@_loss("ipo", needs_lengths=True)
+@_loss("ipo")
 def ipo_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -238,7 +228,7 @@ def apo_zero_loss(
     return (1 - torch.sigmoid(beta * rho_c)) + torch.sigmoid(beta * rho_r)
 
 
-@_loss("bco_pair", params=("beta", "bco_delta"))
+@_loss("bco_pair")
 def bco_pair_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -286,7 +276,7 @@ def update_running_mean(mean: float, count: int, values: torch.Tensor) -> tuple[
 # --- reference-free losses ----------------------------------------------------------------------
 
 
-@_loss("simpo", needs_reference=False, needs_lengths=True, params=("beta", "simpo_gamma"))
+@_loss("simpo")
 def simpo_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -321,7 +311,7 @@ def _log1mexp(x: torch.Tensor) -> torch.Tensor:
 _MAX_MEAN_LOGP = -1e-6
 
 
-@_loss("orpo", needs_reference=False, needs_lengths=True, params=("orpo_lambda",))
+@_loss("orpo")
 def orpo_loss(
     policy_chosen_logps,
     policy_rejected_logps,
@@ -353,22 +343,6 @@ def orpo_loss(
 
 
 # --- combining, the auxiliary NLL term, metrics -------------------------------------------------
-
-_COMMON_PARAMS = frozenset({"beta", "label_smoothing"})
-
-
-def check_loss_params(names: Sequence[str], params: dict) -> None:
-    """Reject extra loss parameters that none of ``names`` reads (a typo would otherwise be ignored)."""
-    used = set()
-    for name in names:
-        LOSSES.get(name)  # an unknown name fails here, with the nearest valid name
-        used.update(LOSS_SPECS[name].params)
-    for key in params:
-        if key not in used and key not in _COMMON_PARAMS:
-            owners = sorted(n for n, spec in LOSS_SPECS.items() if key in spec.params)
-            hint = f"it is read by {', '.join(owners)}" if owners else "no preference loss reads it"
-            raise ValueError(f"loss parameter {key!r} is not used by {', '.join(names)}; {hint}")
-
 
 def combine_losses(
     names: Sequence[str],

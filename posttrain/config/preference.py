@@ -1,8 +1,8 @@
 """Config for preference alignment: the ``dpo`` recipe (DPO-family losses) and the ``rm`` recipe
 (Bradley–Terry reward model). Both read preference pairs and train through the shared loop.
 
-The loss registry lives in ``posttrain.algorithms.preference`` (it imports torch); it is imported
-inside the validators so that loading the CLI stays fast.
+The validators read what each loss needs from ``posttrain.algorithms.preference_specs``, a table
+without torch, so validating a recipe (and ``--help``) stays fast.
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class DPOConfig(StrictModel):
         return params
 
     def needs_reference(self) -> bool:
-        from posttrain.algorithms.preference import LOSS_SPECS
+        from posttrain.algorithms.preference_specs import LOSS_SPECS
 
         return any(LOSS_SPECS[name].needs_reference for name in self.losses)
 
@@ -123,7 +123,7 @@ class DPOConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> DPOConfig:
-        from posttrain.algorithms.preference import LOSS_SPECS, LOSSES, check_loss_params
+        from posttrain.algorithms.preference_specs import LOSS_SPECS, check_loss_params, loss_spec
         from posttrain.algorithms.registry import UnknownNameError
 
         names = self.losses
@@ -131,7 +131,7 @@ class DPOConfig(StrictModel):
             raise ValueError("dpo.loss: name at least one loss, e.g. sigmoid")
         for name in names:
             try:
-                LOSSES.get(name)
+                loss_spec(name)
             except UnknownNameError as exc:
                 raise ValueError(f"dpo.loss: {exc}") from None
         if len(set(names)) != len(names):
