@@ -14,14 +14,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from posttrain.config.loader import load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
 from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
 from posttrain.flywheel.stages import StageRunner
 from posttrain.recipes import find_recipe
+from posttrain.threads import configure_threads
 
 
 class StageInterrupted(RuntimeError):
@@ -126,7 +125,7 @@ def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> d
 
 def run_flywheel(config: FlywheelRecipe) -> int:
     if config.threads:
-        torch.set_num_threads(config.threads)
+        configure_threads(config.threads)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir)

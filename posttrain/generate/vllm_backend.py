@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from posttrain.data.chat import chat_facts, encode_prompt
 from posttrain.data.records import Message
-from posttrain.generate.engine import Completion, SamplingParams, render_prompt
+from posttrain.generate.engine import Completion, SamplingParams
 
 INSTALL_HINT = (
     "the vllm generation backend needs vLLM, which is not installed. Install it on a CUDA machine with "
@@ -48,7 +49,9 @@ class VLLMBackend:
     ) -> list[list[Completion]]:
         # vLLM schedules its own batches (continuous batching); batch_size does not apply.
         del batch_size
-        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        # Token prompts, encoded by posttrain's one encoder: vLLM samples from exactly the ids training
+        # puts before a completion (letting vLLM tokenize the text can add or drop a BOS).
+        inputs = [{"prompt_token_ids": encode_prompt(self.tokenizer, p)} for p in prompts]
         sampling = self._vllm.SamplingParams(
             n=params.n,
             temperature=params.temperature,
@@ -56,16 +59,18 @@ class VLLMBackend:
             top_k=params.top_k if params.top_k > 0 else -1,
             max_tokens=params.max_new_tokens,
             stop=list(params.stop) or None,
+            # The template's end-of-turn token ends a turn even when it is not the tokenizer's EOS (Phi-3, Llama-3).
+            stop_token_ids=list(chat_facts(self.tokenizer).end_of_turn_ids) or None,
             seed=params.seed,
         )
-        outputs = self.llm.generate(texts, sampling, use_tqdm=progress)
+        outputs = self.llm.generate(inputs, sampling, use_tqdm=progress)
         results = []
         for output in outputs:
             completions = []
             for choice in output.outputs:
                 reason = choice.finish_reason
-                if reason == "stop" and choice.stop_reason is None:
-                    reason = "eos"  # vLLM reports EOS as "stop" with no stop string
+                if reason == "stop" and not isinstance(choice.stop_reason, str):
+                    reason = "eos"  # EOS (no stop reason) or an end-of-turn stop token id, not a stop string
                 completions.append(Completion(text=choice.text, token_ids=list(choice.token_ids), finish_reason=reason))
             results.append(completions)
         return results
