@@ -18,10 +18,10 @@ def reduced_recipe(run_dir: Path, **changes) -> Path:
     recipe["base"].update({"hidden_size": 32, "layers": 2, "heads": 2, "kv_heads": 2, "vocab_size": 400,
                            "corpus_documents": 60})
     recipe["base"]["pretrain"]["overrides"] = {"train.max_steps": 3, "train.batch_size": 4, "train.save_every": None,
-                                               "train.log_every": 1}
+                                               "train.log_every": 1, "train.warmup_steps": 1}
     recipe["curate"]["overrides"] = {"executor.workers": 0, "intent.enabled": False}
     recipe["sft"]["overrides"].update({"train.max_steps": 4, "train.batch_size": 4, "train.save_every": 2,
-                                       "train.log_every": 1})
+                                       "train.log_every": 1, "train.warmup_steps": 1})
     # A barely trained model rarely gets an answer right: any score gap makes a pair here.
     recipe["sample"]["overrides"].update({"sampling.n": 4, "sampling.max_new_tokens": 6, "sampling.batch_size": 32,
                                           "pair_margin": 0.0})
