@@ -39,3 +39,64 @@ def test_a_model_dependent_source_resumes_bit_exact_after_sigkill(tiny_model_dir
     for u in units:
         by_step.setdefault(u["step"], []).append(u["ids"])
     assert all(len(set(map(tuple, ids))) == 1 for ids in by_step.values())
+
+
+class _SplitSource:
+    """Fixed batches; ``updates`` optimizer updates per step over consecutive groups of micro-batches."""
+
+    name = "split"
+
+    def __init__(self, batches: list[dict], per_step: int, updates: int):
+        self.batches, self.per_step, self.updates = batches, per_step, updates
+
+    def total_steps(self) -> int:
+        return len(self.batches) // self.per_step
+
+    def next_step(self, step, model):
+        from posttrain.train.source import StepBatch
+
+        micro = self.batches[step * self.per_step : (step + 1) * self.per_step]
+        size = len(micro) // self.updates
+        norms = [float(sum(int((b["labels"][:, 1:] != -100).sum()) for b in micro[u * size:(u + 1) * size]))
+                 for u in range(self.updates)]
+        return StepBatch(micro_batches=micro, normalizer=norms, updates=self.updates)
+
+    def end_step(self, step, accepted, metric_sums):
+        pass
+
+    def state(self):
+        return {}
+
+    def load_state(self, state):
+        pass
+
+
+def test_a_step_with_two_updates_equals_two_steps_of_one(tiny_model_dir, tmp_path):
+    """``StepBatch.updates``: the micro-batches split into consecutive groups, one optimizer update each."""
+    import torch
+
+    from posttrain.models.load import load_model, load_tokenizer
+    from posttrain.models.logprobs import TokenLogprobModel
+    from posttrain.train.health import Alerts, HealthGuard
+    from posttrain.train.loop import LoopSettings, train
+    from tests.train.toy_source import toy_loss
+
+    tokenizer = load_tokenizer(tiny_model_dir)
+    texts = ["Sort 3, 1, 2: 1, 2, 3.", "Uppercase dog: DOG.", "Count the letters in banana: 6.", "Say hi: hi."]
+    batches = [{"input_ids": torch.tensor([ids]), "labels": torch.tensor([ids])}
+               for ids in (tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts)]
+    finals = {}
+    for name, per_step, updates in (("two_updates", 4, 2), ("one_update", 2, 1)):
+        out = tmp_path / name
+        torch.manual_seed(0)
+        root = TokenLogprobModel(load_model(tiny_model_dir))
+        settings = LoopSettings(
+            output_dir=out, lr=1e-2, lr_schedule="constant", warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0,
+            betas=(0.9, 0.95), max_grad_norm=None, save_every=None, keep_last=1, log_every=1, precision="fp32",
+            sharded=False, params_for_mfu=1, peak_flops=1e12, config_hash=name, health=HealthGuard(enabled=False),
+            alerts=Alerts(out / "alerts.jsonl"), tensorboard=False)
+        assert train(root, _SplitSource(batches, per_step, updates), toy_loss, settings) == 0
+        finals[name] = {k: v.detach().clone() for k, v in root.lm.state_dict().items()}
+        assert settings.summary.optimizer_steps == 2
+    a, b = finals["two_updates"], finals["one_update"]
+    assert all(torch.equal(a[k], b[k]) for k in a)

@@ -83,3 +83,14 @@ def test_tensorboard_events_and_resolved_config_are_written(tiny_model_dir, sft_
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     resolved = (out / "config.yaml").read_text()
     assert "max_steps: 2" in resolved and "spike_zscore: 6.0" in resolved  # defaults included
+
+
+def test_mlp_recompute_is_a_switch_that_keeps_the_numbers(tiny_model_dir, sft_data, tmp_path, capsys):
+    runs = {}
+    for flag in ("false", "true"):
+        out = tmp_path / flag
+        assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 3,
+                                                                              "train.recompute_mlp": flag})) == 0
+        runs[flag] = out
+    assert "'recomputed_mlps': 2" in capsys.readouterr().err  # applied through parallelize() to both blocks
+    assert_same_trajectory(runs["false"], runs["true"], weight_atol=1e-6)
