@@ -75,7 +75,15 @@ def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
             f"over {world} ranks; set train.global_batch_size explicitly to keep it fixed across restarts",
             stacklevel=2,
         )
-    return BatchGeometry.derive(train.global_batch, train.batch_size, world)
+    geometry = BatchGeometry.derive(train.global_batch, train.batch_size, world)
+    if geometry.micro_batch < train.batch_size:
+        warnings.warn(
+            f"train.batch_size={train.batch_size} is more than each rank's share of the global batch "
+            f"(train.global_batch_size={train.global_batch} over {world} rank(s) = {geometry.per_rank}); the "
+            f"micro-batch is {geometry.micro_batch}. Raise train.global_batch_size for bigger steps",
+            stacklevel=2,
+        )
+    return geometry
 
 
 def load_causal_lm(config: TrainingRecipe, tokenizer) -> torch.nn.Module:  # noqa: ARG001 - loader signature

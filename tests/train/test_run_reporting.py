@@ -70,3 +70,9 @@ def test_the_resolved_config_is_the_config_the_run_used(tiny_model_dir, sft_data
         warnings.simplefilter("error")
         assert run_in_process(["--config", str(out / "config.yaml")]) == 0
     assert [a["step"] for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "resumed"] == [2]
+
+
+def test_a_micro_batch_bigger_than_the_global_batch_warns(tiny_model_dir, sft_data, tmp_path):
+    with pytest.warns(UserWarning, match="train.batch_size=8 is more than each rank's share"):
+        assert run_in_process(base_overrides(tiny_model_dir, sft_data, tmp_path / "run", **{
+            "train.max_steps": 1, "train.batch_size": 8, "train.global_batch_size": 4})) == 0
