@@ -116,15 +116,30 @@ class TrainConfig(StrictModel):
 
 class HealthConfig(StrictModel):
     enabled: bool = True
-    spike_zscore: float = Field(default=6.0, gt=0)
-    window: int = Field(default=128, ge=4, description="Steps of history for the spike z-score.")
-    min_history: int = Field(default=16, ge=2, description="No spike test before this many good steps.")
+    spike_ratio: float = Field(
+        default=10.0, gt=1.0,
+        description="A loss or gradient norm above this many times the largest of the last `window` good steps is a "
+        "spike (Megatron-LM's test), from the second step on.",
+    )
+    window: int = Field(default=64, ge=1, description="Good steps whose largest loss / grad norm a step is compared with.")
     max_consecutive: int = Field(default=3, ge=1, description="Bad steps in a row before rolling back.")
     max_rollbacks: int = Field(default=5, ge=0)
     skip_steps: list[int] = Field(
         default_factory=list,
         description="Optimizer steps whose batches are never trained on (e.g. batches an earlier run found bad).",
     )
+
+
+    @model_validator(mode="before")
+    @classmethod
+    def _replaced_keys(cls, data):
+        replaced = {"spike_zscore", "min_history"} & set(data) if isinstance(data, dict) else set()
+        if replaced:
+            raise ValueError(
+                f"health.{sorted(replaced)[0]} is gone: the spike test is now a ratio to the largest of the last "
+                "health.window good steps, from the second step on; set health.spike_ratio (default 10) instead"
+            )
+        return data
 
 
 class AlertsConfig(StrictModel):

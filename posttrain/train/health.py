@@ -1,16 +1,26 @@
 """Health guard: skip updates on non-finite or spiking loss / gradient norm, roll back after a streak.
 
-A step is *bad* when its loss or gradient norm is not finite, or when either is a spike: a z-score
-above ``spike_zscore`` against the last ``window`` good steps (after ``min_history`` of them). A bad
-step's update is skipped. After ``max_consecutive`` bad steps in a row the loop rolls back to the
+A step is *bad* when its loss or gradient norm is not finite, or is a **spike**: more than
+``spike_ratio`` times the largest value of the last ``window`` good steps. That is the test of
+Megatron-LM's rerun state machine (``RerunStateMachine.is_unexpectedly_large``: a result above a
+multiple — 10 by default — of the largest value seen), chosen over a z-score because it works from the
+second step (one good value is a reference) and does not read ordinary dynamics as spikes: a z-score
+against quiet first steps flags the several-fold rise of DPO's gradient norm when pairs start to
+separate, and a sharp drop or the slow rises of training never approach ten times the recent
+maximum. A corrupted batch or a numerical blow-up — what the guard is for — does (the drills multiply
+the loss by 1000).
+
+A bad step's update is skipped. After ``max_consecutive`` bad steps in a row the loop rolls back to the
 last good checkpoint and skips the batches that caused the trouble (the recovery of PaLM, Chowdhery
-et al. 2022, §5.1). Every event goes to ``alerts.jsonl`` and, when configured, to a webhook.
+et al. 2022, §5.1). Every event goes to ``alerts.jsonl`` (strict JSON: a non-finite number is written
+as ``null``) and, when configured, to a webhook, and is printed as one line on stderr.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 import urllib.request
 from collections import deque
@@ -22,13 +32,15 @@ from posttrain import dist
 from posttrain.data.io import append_jsonl
 
 
-def zscore(value: float, history: list[float]) -> float:
-    """(value − mean) / std over ``history``; 0 when the history is flat."""
-    n = len(history)
-    mean = sum(history) / n
-    var = sum((h - mean) ** 2 for h in history) / max(1, n - 1)
-    std = math.sqrt(var)
-    return (value - mean) / std if std > 1e-12 else 0.0
+def finite_or_none(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, ±inf) replaced by ``None``, recursively: strict JSON."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {key: finite_or_none(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(item) for item in value]
+    return value
 
 
 @dataclass
@@ -40,9 +52,8 @@ class Verdict:
 
 @dataclass
 class HealthGuard:
-    spike_zscore: float = 6.0
-    window: int = 128
-    min_history: int = 16
+    spike_ratio: float = 10.0
+    window: int = 64
     max_consecutive: int = 3
     enabled: bool = True
     losses: deque = field(default_factory=deque)
@@ -55,11 +66,13 @@ class HealthGuard:
         reason = ""
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             reason = f"non-finite (loss={loss}, grad_norm={grad_norm})"
-        elif len(self.losses) >= self.min_history:
-            z_loss = zscore(loss, list(self.losses))
-            z_grad = zscore(grad_norm, list(self.grad_norms))
-            if z_loss > self.spike_zscore or z_grad > self.spike_zscore:
-                reason = f"spike (loss z={z_loss:.1f}, grad-norm z={z_grad:.1f}, threshold {self.spike_zscore})"
+        elif self.losses:
+            for name, value, history in (("loss", loss, self.losses), ("grad norm", grad_norm, self.grad_norms)):
+                largest = max(abs(h) for h in history)
+                if largest > 0 and abs(value) > self.spike_ratio * largest:
+                    reason = (f"spike ({name} {value:.4g} is {abs(value) / largest:.0f}x the largest of the last "
+                              f"{len(history)} good steps, {largest:.4g}; threshold {self.spike_ratio:g}x)")
+                    break
         if reason:
             self.consecutive_bad += 1
             return Verdict(ok=False, reason=reason, rollback=self.consecutive_bad >= self.max_consecutive)
@@ -81,22 +94,42 @@ class HealthGuard:
 
 
 class Alerts:
-    """Append events to ``alerts.jsonl`` (rank 0) and POST them to a webhook when one is set."""
+    """Events to ``alerts.jsonl`` (rank 0), a webhook when one is set, and one line each on stderr.
 
-    def __init__(self, path: Path, webhook: str | None = None, timeout_s: float = 5.0):
-        self.path, self.webhook, self.timeout_s = path, webhook, timeout_s
+    Writing an alert never stops training: an alert file that cannot be written (a full disk) or a
+    webhook that is down is reported once on stderr and the run goes on.
+    """
+
+    QUIET = frozenset({"config_warning"})  # already printed as a Python warning
+
+    def __init__(self, path: Path, webhook: str | None = None, timeout_s: float = 5.0, echo: bool = True):
+        self.path, self.webhook, self.timeout_s, self.echo = path, webhook, timeout_s, echo
+        self._file_failed = False
 
     def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = {"time": time.time(), "kind": kind, **fields}
+        event = finite_or_none({"time": time.time(), "kind": kind, **fields})
         if not dist.is_main():
             return event
-        append_jsonl(str(self.path), [event])
+        if self.echo and kind not in self.QUIET:
+            details = ", ".join(f"{key}={value}" for key, value in fields.items())
+            print(f"[posttrain] {kind.replace('_', ' ')}: {details}", file=sys.stderr, flush=True)
+        self._append(event)
         if self.webhook:
             request = urllib.request.Request(
-                self.webhook, data=json.dumps(event).encode(), headers={"Content-Type": "application/json"}
+                self.webhook, data=json.dumps(event, allow_nan=False).encode(),
+                headers={"Content-Type": "application/json"},
             )
             try:
                 urllib.request.urlopen(request, timeout=self.timeout_s).close()
             except OSError as exc:  # an alert channel being down must not kill training
-                append_jsonl(str(self.path), [{"time": time.time(), "kind": "webhook_failed", "error": str(exc)}])
+                self._append({"time": time.time(), "kind": "webhook_failed", "error": str(exc)})
         return event
+
+    def _append(self, event: dict[str, Any]) -> None:
+        try:
+            append_jsonl(str(self.path), [event])
+        except OSError as exc:
+            if not self._file_failed:
+                print(f"[posttrain] cannot write {self.path} ({exc.strerror or exc}); alerts go to stderr only",
+                      file=sys.stderr, flush=True)
+            self._file_failed = True

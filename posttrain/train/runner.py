@@ -137,9 +137,8 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         peak_flops=train.peak_flops,
         config_hash=run.config_hash,
         health=HealthGuard(
-            spike_zscore=health.spike_zscore,
+            spike_ratio=health.spike_ratio,
             window=health.window,
-            min_history=health.min_history,
             max_consecutive=health.max_consecutive,
             enabled=health.enabled,
         ),

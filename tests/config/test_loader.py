@@ -26,7 +26,7 @@ def test_good_recipe_loads_with_defaults(tmp_path):
     config = load_config(SFTRecipe, write(tmp_path, GOOD))
     assert config.train.lr == 1e-4
     assert config.train.global_batch == config.train.batch_size  # global_batch_size defaults to the micro-batch
-    assert config.health.spike_zscore == 6.0
+    assert config.health.spike_ratio == 10.0
 
 
 def test_unknown_key_names_file_line_and_nearest_key(tmp_path):

@@ -46,3 +46,22 @@ def test_pretraining_always_packs_and_says_so_in_the_resolved_config():
     assert config.model_dump()["data"]["packing"] is True  # what config.yaml records
     with pytest.raises(ConfigError, match="always packs"):
         load_config(PretrainRecipe, None, [*BASE, "data.packing=false"])
+
+
+def test_the_old_spike_keys_say_what_replaced_them():
+    with pytest.raises(ConfigError, match="set health.spike_ratio"):
+        sft("health.spike_zscore=30")
+    with pytest.raises(ConfigError, match="health.min_history is gone"):
+        sft("health.min_history=4")
+
+
+def test_no_shipped_recipe_tunes_the_health_guard():
+    from pathlib import Path
+
+    import yaml
+
+    from posttrain.recipes import RECIPES_DIR
+
+    for path in sorted(Path(RECIPES_DIR).glob("*.yaml")):
+        health = (yaml.safe_load(path.read_text()) or {}).get("health") or {}
+        assert "spike_ratio" not in health and "window" not in health, path.name

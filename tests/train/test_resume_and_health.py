@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import signal
 import subprocess
@@ -103,7 +104,7 @@ def test_sigterm_saves_and_exits_resumable(tiny_model_dir, sft_data, tmp_path):
 
 def test_nan_and_spike_are_skipped_and_recorded(tiny_model_dir, sft_data, tmp_path):
     out = tmp_path / "run"
-    extra = {"train.max_steps": 24, "train.lr": 1e-4, "health.min_history": 4,
+    extra = {"train.max_steps": 24, "train.lr": 1e-4,
              "debug.nan_steps": "[6]", "debug.spike_steps": "[10]"}
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **extra)) == 0
     alerts = read_jsonl(out / "alerts.jsonl")
@@ -112,6 +113,31 @@ def test_nan_and_spike_are_skipped_and_recorded(tiny_model_dir, sft_data, tmp_pa
     metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
     assert metrics[6]["skipped"] and metrics[10]["skipped"] and not metrics[7]["skipped"]
     assert (out / "final" / "model.safetensors").exists()
+
+
+@pytest.mark.parametrize("step", [1, 2, 6])
+def test_an_early_spike_is_caught_from_the_second_step(tiny_model_dir, sft_data, tmp_path, step):
+    out = tmp_path / "run"
+    extra = {"train.max_steps": 8, "debug.spike_steps": f"[{step}]"}
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **extra)) == 0
+    skipped = [a["step"] for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "skipped_update"]
+    assert skipped == [step]
+    metrics = {m["step"]: m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m}
+    assert [s for s, m in metrics.items() if m["skipped"]] == [step]
+
+
+def test_alerts_are_strict_json_even_for_a_nan_loss(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 3,
+                                                                          "debug.nan_steps": "[1]"})) == 0
+    text = (out / "alerts.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    skipped = [json.loads(line, parse_constant=_refuse) for line in text.splitlines()]
+    assert any(a["kind"] == "skipped_update" and a["loss"] is None for a in skipped)
+
+
+def _refuse(name: str):
+    raise ValueError(f"not strict JSON: {name}")
 
 
 def test_streak_rolls_back_and_skips_bad_batches(tiny_model_dir, sft_data, tmp_path):

@@ -82,7 +82,7 @@ def test_tensorboard_events_and_resolved_config_are_written(tiny_model_dir, sft_
                                                                           "metrics.tensorboard": "true"})) == 0
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
     resolved = (out / "config.yaml").read_text()
-    assert "max_steps: 2" in resolved and "spike_zscore: 6.0" in resolved  # defaults included
+    assert "max_steps: 2" in resolved and "spike_ratio: 10.0" in resolved  # defaults included
 
 
 def test_mlp_recompute_is_a_switch_that_keeps_the_numbers(tiny_model_dir, sft_data, tmp_path, capsys):

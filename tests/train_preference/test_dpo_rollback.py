@@ -8,7 +8,7 @@ from tests.train.conftest import final_weights
 from tests.train_preference.conftest import dpo_overrides, read_jsonl, run_cli
 
 COMMON = {"dpo.loss": "bco_pair", "train.max_steps": 10, "train.save_every": 4, "train.keep_last": 3,
-          "health.min_history": 3, "health.max_consecutive": 2, "health.spike_zscore": 6}
+          "health.max_consecutive": 2}
 
 
 def final_state(out) -> dict:

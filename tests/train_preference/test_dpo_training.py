@@ -57,10 +57,9 @@ def test_one_step_of_each_loss_widens_the_margin_on_its_batch(name, pref_model_d
 
 def test_dpo_learns_a_held_out_preference(pref_model_dir, pref_data, tmp_path):
     out = tmp_path / "dpo"
-    # The gradient norm jumps (about 0.3 → 3 here) when the pairs start to separate; the default spike
-    # test (z > 6 against the quiet first steps) would skip exactly the learning steps (as in recipes/).
-    extra = {"train.max_steps": 64, "train.lr": 2e-3, "train.save_every": 32, "dpo.sft_weight": 0.1,
-             "health.spike_zscore": 30}
+    # The gradient norm jumps (about 0.3 → 3 here) when the pairs start to separate: the default health
+    # guard (a ratio to the recent maximum) must let those learning steps through (checked below).
+    extra = {"train.max_steps": 64, "train.lr": 2e-3, "train.save_every": 32, "dpo.sft_weight": 0.1}
     assert run_cli("dpo", dpo_overrides(pref_model_dir, pref_data, out, **extra)) == 0
     result = json.loads((out / "eval.json").read_text())
     before, after = result["before"], result["after"]
@@ -73,7 +72,7 @@ def test_dpo_learns_a_held_out_preference(pref_model_dir, pref_data, tmp_path):
     assert after["pairs"] == 64
 
     steps = [m for m in read_jsonl(out / "metrics.jsonl") if "loss" in m]
-    assert len(steps) == 64
+    assert len(steps) == 64 and not any(m["skipped"] for m in steps)  # the learning phase is not a "spike"
     for key in (*METRIC_KEYS, "loss/sft", "grad_norm", "tokens_per_s"):
         assert all(key in m for m in steps), key
     assert all(0.0 <= m["rewards/accuracy"] <= 1.0 for m in steps)
