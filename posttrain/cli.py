@@ -25,6 +25,7 @@ _COMMAND_MODULES = (
     "posttrain.data.inspect",
     "posttrain.commands.model",
     "posttrain.commands.quickstart",
+    "posttrain.commands.launch",
     "posttrain.generate.cli",
     "posttrain.eval.cli",
 )
@@ -83,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["launch"] and argv[1:2] not in (["-h"], ["--help"]):
+        # torchrun's own options (--nproc_per_node …) come first: argparse would take them for posttrain's.
+        from posttrain.commands.launch import launch
+
+        return launch(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
@@ -100,10 +107,21 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"posttrain: invalid config\n{exc}", file=sys.stderr)
         return EXIT_BAD_CONFIG
+    except OSError as exc:
+        from posttrain.train.checkpoint import DiskFullError
+
+        if isinstance(exc, DiskFullError):
+            print(f"posttrain: {exc.strerror}", file=sys.stderr)
+            return EXIT_FAILED
+        if not isinstance(exc, FileNotFoundError):
+            raise
+        print(f"posttrain: {exc}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
     except (FileNotFoundError, ValueError) as exc:
         from posttrain.data.errors import DataError
+        from posttrain.train.identity import ResumeError
 
-        if isinstance(exc, DataError | FileNotFoundError):
+        if isinstance(exc, DataError | FileNotFoundError | ResumeError):
             print(f"posttrain: {exc}", file=sys.stderr)
             return EXIT_BAD_CONFIG
         raise

@@ -38,6 +38,19 @@ def load_builtin_recipes() -> None:
 
 
 def run_recipe(name: str, config: BaseModel) -> int:
+    """Run a recipe; a SIGTERM/SIGINT outside its training loop ends it with exit 75 (see ``exit_codes``)."""
+    import signal
+
+    from posttrain.exit_codes import Preempted, raise_preempted_on_signals, report_preempted
+
     module_name, _, function_name = RECIPES[name].runner.partition(":")
-    runner = getattr(importlib.import_module(module_name), function_name)
-    return int(runner(config) or 0)
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    raise_preempted_on_signals()
+    try:
+        runner = getattr(importlib.import_module(module_name), function_name)
+        return int(runner(config) or 0)
+    except Preempted as exc:
+        return report_preempted(exc)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -56,6 +56,11 @@ class TrainConfig(StrictModel):
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     seed: int = 0
     save_every: int | None = Field(default=None, ge=1, description="Checkpoint every N optimizer steps.")
+    resume: Literal["auto", "never", "must"] = Field(
+        default="auto",
+        description="auto: resume from the newest valid checkpoint in output_dir when there is one; must: refuse to "
+        "start without one; never: move the previous run into output_dir/previous-<time>/ and start from step 0.",
+    )
     keep_last: int = Field(default=2, ge=1)
     eval_every: int | None = Field(
         default=None, ge=1, description="Evaluate on data.eval every N steps (and always at the end)."

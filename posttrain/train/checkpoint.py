@@ -7,8 +7,8 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
   health history, the skip set, and the step source's state (data position, BCO's shift, a sampler's
   pass rates). It is the same on every rank, so one copy serves any number of ranks.
 - ``rng-rank{r}.pt``: each rank's RNG states.
-- ``manifest.json``: written **last**, by rank 0, after every file is fsynced: step, config hash and a
-  sha256 per file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
+- ``manifest.json``: written **last**, by rank 0, after every file is fsynced: step, world size, the
+  run's identity (``posttrain.train.identity``) and a sha256 per file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
 
 A checkpoint is written to ``step-N.tmp`` and renamed into place after the manifest, so a reader
 never sees a half-written directory under its final name; the manifest check also covers stores
@@ -21,6 +21,7 @@ no RNG file of its own takes rank ``r mod N``'s (the exact data position does no
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -35,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -128,22 +130,51 @@ def verify_checkpoint(path: Path) -> str | None:
     return None
 
 
-def latest_valid_checkpoint(root: Path, config_hash: str | None = None) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root``; incomplete or corrupt ones are skipped with a warning."""
+def latest_valid_checkpoint(root: Path) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root``; incomplete or corrupt ones are skipped with a warning.
+
+    Whether this run may resume it is ``posttrain.train.identity.plan_resume``'s decision.
+    """
     for step, path in _step_dirs(root):
         problem = verify_checkpoint(path)
         if problem:
             warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
             continue
-        manifest = json.loads((path / MANIFEST).read_text())
-        if config_hash and manifest.get("config_hash") not in (None, config_hash):
-            warnings.warn(
-                f"checkpoint {path} was written with a different config (hash {manifest.get('config_hash')} "
-                f"!= {config_hash}); resuming from it anyway — data order and schedule may differ",
-                stacklevel=2,
-            )
-        return CheckpointInfo(path, step, manifest)
+        return CheckpointInfo(path, step, json.loads((path / MANIFEST).read_text()))
     return None
+
+
+LOW_SPACE_BYTES = 16 * 2**20  # a failed save with less than this free on the device is a full disk
+
+
+def _free_bytes(path: Path) -> int:
+    try:
+        return shutil.disk_usage(path).free
+    except OSError:
+        return 1 << 62
+
+
+class DiskFullError(OSError):
+    """A checkpoint could not be written for lack of space; the partial one was removed."""
+
+
+def _is_disk_full(exc: BaseException) -> bool:
+    """ENOSPC anywhere in ``exc`` (DCP wraps the writers' errors per rank, in its message too)."""
+    seen: set[int] = set()
+    stack = [exc]
+    while stack:
+        error = stack.pop()
+        if error is None or id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno == errno.ENOSPC:
+            return True
+        if "No space left on device" in str(error):
+            return True
+        stack.extend([error.__cause__, error.__context__])
+        for failure in getattr(error, "failures", {}).values():
+            stack.append(failure[0] if isinstance(failure, tuple) else failure)
+    return False
 
 
 def save_checkpoint(
@@ -152,34 +183,66 @@ def save_checkpoint(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     trainer_state: dict[str, Any],
-    config_hash: str,
+    identity: dict[str, Any],
     keep_last: int,
 ) -> Path:
-    """Save a sharded checkpoint for ``step`` (a collective: every rank must call it)."""
+    """Save a sharded checkpoint for ``step`` (a collective: every rank must call it).
+
+    ``identity`` (``posttrain.train.identity.RunIdentity.to_dict()``) goes into the manifest, so a later run
+    can tell whether it may resume from here. When a write fails for lack of space on any rank, the
+    half-written ``step-N.tmp`` is removed on every rank's say-so and ``DiskFullError`` is raised: the
+    previous checkpoint stays the newest valid one.
+    """
     final = root / f"step-{step:06d}"
     staging = root / f"step-{step:06d}.tmp"
-    if dist.is_main():
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True, exist_ok=True)
-    dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    with _quiet_single_process():
-        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
-    rank = dist.rank()
-    if dist.is_main():
-        (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, sort_keys=True))
-    torch.save(rng_state(), staging / f"rng-rank{rank}.pt")
+    failure: BaseException | None = None
+    try:
+        if dist.is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+            staging.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with _quiet_single_process():
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
+        if dist.is_main():
+            (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, sort_keys=True))
+        torch.save(rng_state(), staging / f"rng-rank{dist.rank()}.pt")
+    except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure first
+        failure = exc  # (DCP's CheckpointException is a BaseException)
+    failed = dist.all_reduce_sum(torch.tensor([1.0 if failure is not None else 0.0]))
+    if float(failed) > 0:
+        # Measured before the partial checkpoint is removed: some writers (torch.save's zip writer) report a
+        # full disk only as a short write, so the free space is what tells.
+        full = failure is not None and (_is_disk_full(failure) or _free_bytes(root) < LOW_SPACE_BYTES)
+        if dist.is_main():
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()
+        if failure is None:
+            raise RuntimeError(f"another rank failed to write checkpoint {staging.name}; it was removed")
+        if full:
+            raise DiskFullError(errno.ENOSPC, f"no space left on the device while writing checkpoint {final} "
+                                f"(the partial checkpoint was removed); free space and rerun to resume from the "
+                                "previous checkpoint") from failure
+        raise failure
     dist.barrier()
     if dist.is_main():
         _fsync_tree(staging)
         files = {
             str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
         }
-        manifest = {"step": step, "config_hash": config_hash, "world_size": dist.world_size(), "files": files}
-        with open(staging / MANIFEST, "w") as handle:
-            json.dump(manifest, handle, indent=1, sort_keys=True)
-            handle.flush()
-            os.fsync(handle.fileno())
+        manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
+                    "identity_hash": identity_hash(identity), "files": files}
+        try:
+            with open(staging / MANIFEST, "w") as handle:
+                json.dump(manifest, handle, indent=1, sort_keys=True)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as exc:
+            shutil.rmtree(staging, ignore_errors=True)
+            if exc.errno == errno.ENOSPC:
+                raise DiskFullError(errno.ENOSPC, f"no space left on the device while writing checkpoint {final} "
+                                    "(the partial checkpoint was removed); free space and rerun") from exc
+            raise
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
         _fsync_tree(root)
@@ -187,6 +250,11 @@ def save_checkpoint(
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
+
+
+def identity_hash(identity: dict[str, Any]) -> str:
+    """A short hash of a run identity (``posttrain.train.identity``), for manifests and messages."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def load_checkpoint(
@@ -219,6 +287,12 @@ def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 def export_hf(lm: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, directory: Path) -> Path:
     """Write an HF-format model (safetensors + config + tokenizer) from a full state dict (rank 0 only)."""
+    from transformers.utils import logging as hf_logging
+
+    from posttrain.progress import mode
+
+    if mode() != "bar":  # transformers' own "Writing model shards" bar would print carriage returns into a log
+        hf_logging.disable_progress_bar()
     directory.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)

@@ -306,6 +306,8 @@ def write_eval(output_dir: Path, step: int, before: dict, after: dict, shown: tu
 def run_dpo(config: DPORecipe) -> int:
     run = start_run(config)
     try:
+        if run.finished:
+            return 0
         geometry = batch_geometry(config)
         from posttrain.models.load import load_tokenizer
 
@@ -332,7 +334,7 @@ def run_dpo(config: DPORecipe) -> int:
             if before is not None:
                 write_eval(run.output_dir, source.total_steps(), before, settings.summary.evals[-1][1],
                            ("loss", "rewards/accuracy", "logps_accuracy"))
-            finish("dpo", settings, export_final(run, root, lm, tokenizer))
+            finish("dpo", run, settings, export_final(run, root, lm, tokenizer))
         return code
     finally:
         dist.destroy()

@@ -106,13 +106,14 @@ class Alerts:
         self.path, self.webhook, self.timeout_s, self.echo = path, webhook, timeout_s, echo
         self._file_failed = False
 
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        event = finite_or_none({"time": time.time(), "kind": kind, **fields})
+    def emit(self, kind: str, *, message: str | None = None, echo: bool = True, **fields: Any) -> dict[str, Any]:
+        """Record one event; ``message`` is the line printed (default: the kind and its fields)."""
+        event = finite_or_none({"time": time.time(), "kind": kind, **fields, **({"message": message} if message else {})})
         if not dist.is_main():
             return event
-        if self.echo and kind not in self.QUIET:
-            details = ", ".join(f"{key}={value}" for key, value in fields.items())
-            print(f"[posttrain] {kind.replace('_', ' ')}: {details}", file=sys.stderr, flush=True)
+        if echo and self.echo and kind not in self.QUIET:
+            line = message or f"{kind.replace('_', ' ')}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
+            print(f"[posttrain] {line}", file=sys.stderr, flush=True)
         self._append(event)
         if self.webhook:
             request = urllib.request.Request(

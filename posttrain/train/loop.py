@@ -27,10 +27,15 @@ import torch
 
 from posttrain import dist
 from posttrain.data.io import append_jsonl
-from posttrain.exit_codes import EXIT_RESUMABLE
-from posttrain.train.checkpoint import latest_valid_checkpoint, load_checkpoint, save_checkpoint
+from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
+from posttrain.train.checkpoint import (
+    CheckpointInfo,
+    latest_valid_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from posttrain.train.health import Alerts, HealthGuard
-from posttrain.train.metrics import MetricsSink, RunSummary, mfu, peak_flops, peak_memory_mb
+from posttrain.train.metrics import MetricsSink, RunSummary, cut_logs, mfu, peak_flops, peak_memory_mb
 from posttrain.train.precision import autocast
 from posttrain.train.schedule import lr_multiplier
 from posttrain.train.source import LossFn, StepBatch, StepSource
@@ -55,7 +60,7 @@ class LoopSettings:
     sharded: bool
     params_for_mfu: int
     peak_flops: float | None
-    config_hash: str
+    identity: dict[str, Any]  # the run's identity, recorded in every checkpoint (posttrain.train.identity)
     health: HealthGuard
     alerts: Alerts
     max_rollbacks: int = 5
@@ -68,6 +73,7 @@ class LoopSettings:
     crash_at_step: int | None = None
     log_unit_ids: bool = False
     tensorboard: bool = True
+    resume_from: CheckpointInfo | None = None  # chosen by posttrain.train.identity.plan_resume
     summary: RunSummary = field(default_factory=RunSummary)
 
 
@@ -142,7 +148,8 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
     if verdict.ok:
         optimizer.step()
     else:
-        settings.alerts.emit("skipped_update", step=step, reason=verdict.reason, loss=loss_value, grad_norm=grad_value)
+        settings.alerts.emit("skipped_update", step=step, reason=verdict.reason, loss=loss_value, grad_norm=grad_value,
+                             message=f"step {step}: update skipped by the health guard: {verdict.reason}")
     optimizer.zero_grad(set_to_none=True)
     return UpdateResult(loss_value, grad_value, dict(zip(metric_totals, values[1:], strict=True)), verdict.ok,
                         verdict.reason, verdict.rollback)
@@ -173,7 +180,7 @@ class _Run:
 
     def save(self) -> None:
         s = self.settings
-        save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(), s.config_hash,
+        save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity,
                         s.keep_last)
         self.last_saved = self.next_step
 
@@ -227,10 +234,12 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, fused=True
     )
     run = _Run(model, optimizer, source, settings)
-    resumed = latest_valid_checkpoint(run.root, settings.config_hash)
+    resumed = settings.resume_from
     if resumed is not None:
         run.restore(resumed)
-        settings.alerts.emit("resumed", step=run.next_step, checkpoint=str(resumed.path))
+        settings.alerts.emit("resumed", step=run.next_step, checkpoint=str(resumed.path), echo=False)
+        if dist.is_main():  # one record per step: what the lost steps after the checkpoint wrote goes
+            cut_logs(settings.output_dir, run.next_step)
     sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard)
     summary = settings.summary
     bad_streak: list[int] = []
@@ -286,7 +295,10 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
             if preemption.agreed():
                 if run.last_saved != run.next_step:
                     run.save()
-                settings.alerts.emit("preempted", step=run.next_step, signal=preemption.signal_name)
+                settings.alerts.emit("preempted", step=run.next_step, signal=preemption.signal_name,
+                                     message=f"preempted by {preemption.signal_name}: checkpoint at step {run.next_step} "
+                                     "saved; rerun the same command to resume (exit 75)")
+                mark_preempted(run.next_step)
                 sink.close()
                 return EXIT_RESUMABLE
     if run.last_saved != run.next_step:
@@ -302,16 +314,21 @@ def _roll_back(run: _Run, bad_streak: list[int], step: int, sink: MetricsSink) -
     """Back to the newest valid checkpoint (model, optimizer, guard and source state), skipping the bad batches."""
     settings = run.settings
     if run.rollbacks >= settings.max_rollbacks:
-        settings.alerts.emit("aborted", step=step, reason="too many rollbacks")
+        settings.alerts.emit("aborted", step=step, reason="too many rollbacks",
+                             message=f"health guard: {run.rollbacks} rollbacks already; stopping at step {step}")
         raise RuntimeError(f"health guard: {run.rollbacks} rollbacks already; stopping at step {step}")
     skip = run.skip | set(bad_streak)
     rollbacks = run.rollbacks + 1
     info = latest_valid_checkpoint(run.root)
     if info is None:
-        settings.alerts.emit("rollback_unavailable", step=step, skipped_batches=list(bad_streak))
+        settings.alerts.emit("rollback_unavailable", step=step, skipped_batches=list(bad_streak),
+                             message=f"health guard: {len(bad_streak)} bad steps in a row ({bad_streak}) and no "
+                             "checkpoint to roll back to; skipping those batches from here on")
     else:
         run.restore(info)
-        settings.alerts.emit("rollback", step=step, to_step=info.step, skipped_batches=list(bad_streak))
+        settings.alerts.emit("rollback", step=step, to_step=info.step, skipped_batches=list(bad_streak),
+                             message=f"health guard: {len(bad_streak)} bad steps in a row ({bad_streak}): rolled back "
+                             f"to the checkpoint at step {info.step}; those batches will be skipped")
         sink.rewind(run.next_step)
     run.skip, run.rollbacks = skip, rollbacks
 

@@ -3,6 +3,7 @@ one-screen summary a run ends with."""
 
 from __future__ import annotations
 
+import errno
 import resource
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -11,7 +12,9 @@ from typing import Any
 import torch
 
 from posttrain import dist
-from posttrain.data.io import append_jsonl
+from posttrain.data.io import append_jsonl, parse_json_line, write_jsonl
+from posttrain.train.checkpoint import DiskFullError
+from posttrain.train.health import finite_or_none
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices fall back to train.peak_flops or the CPU guess.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -40,6 +43,28 @@ def peak_memory_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
+STEP_LOGS = ("metrics.jsonl", "units.jsonl")
+
+
+def cut_logs(output_dir: Path, step: int) -> None:
+    """On resume from the checkpoint at ``step``: drop what the lost steps ``>= step`` wrote to the per-step
+    logs (and a torn last line), so they hold one record per step. Evaluations logged at ``step`` itself ran
+    before that checkpoint was saved and stay; records without a step (before/after summaries) stay."""
+    for name in STEP_LOGS:
+        path = output_dir / name
+        if not path.exists():
+            continue
+        kept = []
+        for line in path.read_bytes().splitlines():
+            record = parse_json_line(line)
+            if not isinstance(record, dict):
+                continue  # the line a kill cut short
+            logged = record.get("step")
+            if logged is None or logged < step or (logged == step and any(k.startswith("eval/") for k in record)):
+                kept.append(record)
+        write_jsonl(str(path), kept)
+
+
 class MetricsSink:
     def __init__(self, output_dir: Path, total_steps: int, start_step: int, desc: str, tensorboard: bool = True):
         self.enabled = dist.is_main()
@@ -66,14 +91,22 @@ class MetricsSink:
             self.last_loss = record["loss"]
         if not self.enabled:
             return
-        append_jsonl(str(self.path), [record])
+        try:
+            append_jsonl(str(self.path), [finite_or_none(record)])
+        except OSError as exc:
+            if exc.errno == errno.ENOSPC:
+                raise DiskFullError(errno.ENOSPC, f"no space left on the device writing {self.path}: free space "
+                                    "and rerun to resume from the last checkpoint") from exc
+            raise
         if self.writer is not None:
             for key, value in record.items():
                 if isinstance(value, int | float) and key != "step":
                     self.writer.add_scalar(key, value, record["step"])
         if self.bar is not None and advance:
-            shown = {k: record[k] for k in ("loss", "grad_norm", "lr") if k in record}
-            self.bar.set_postfix({k: f"{v:.4g}" for k, v in shown.items()}, refresh=False)
+            shown = {k: f"{record[k]:.4g}" for k in ("loss", "grad_norm", "lr") if k in record}
+            if record.get("skipped"):
+                shown["update"] = "SKIPPED"  # a nan/inf or spiking loss is never shown as if it were applied
+            self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
 
     def rewind(self, step: int) -> None:

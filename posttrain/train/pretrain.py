@@ -58,6 +58,8 @@ def tokenize_text(text: str, tokenizer, max_length: int) -> TokenizedExample:
 def run_pretrain(config: PretrainRecipe) -> int:
     run = start_run(config)
     try:
+        if run.finished:
+            return 0
         geometry = batch_geometry(config)
         root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
         pad_id = tokenizer.pad_token_id
@@ -77,7 +79,7 @@ def run_pretrain(config: PretrainRecipe) -> int:
             final = export_final(run, root, lm, tokenizer)
             if dist.is_main():
                 Path(final / "PRETRAINED_ON.txt").write_text(f"{config.data.train}\n")
-            finish("pretrain", settings, final)
+            finish("pretrain", run, settings, final)
         return code
     finally:
         dist.destroy()

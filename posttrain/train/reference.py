@@ -27,6 +27,7 @@ import gc
 import hashlib
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -131,11 +132,27 @@ def cache_file(cache_dir: Path, data_path: str, key: str) -> Path:
     return cache_dir / f"{name}.{key[:24]}.safetensors"
 
 
+def _manifest_of(path: Path) -> Path:
+    return path.with_name(path.name + ".manifest.json")
+
+
 def _read_cache(path: Path, key: str, count: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The cached log-probs when the file is the one written for ``key`` and its bytes match its manifest.
+
+    A file without a manifest, or whose SHA-256 differs from the manifest's (overwritten, truncated, bit
+    rot), is not trusted: the pass is recomputed, with a warning.
+    """
     if not path.exists():
         return None
     from safetensors import safe_open
 
+    manifest_path = _manifest_of(path)
+    manifest = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    actual = hashlib.sha256(path.read_bytes()).hexdigest()
+    if manifest.get("sha256") != actual or manifest.get("key") != key:
+        warnings.warn(f"reference cache {path} does not match its manifest "
+                      f"({'missing' if not manifest else 'checksum or key differs'}); recomputing it", stacklevel=3)
+        return None
     with safe_open(str(path), framework="pt") as handle:
         meta = handle.metadata() or {}
     if meta.get("key") != key or meta.get("pairs") != str(count):
@@ -146,12 +163,18 @@ def _read_cache(path: Path, key: str, count: int) -> tuple[torch.Tensor, torch.T
 
 def _write_cache(path: Path, key: str, chosen: torch.Tensor, rejected: torch.Tensor, spec: ReferenceSpec,
                  data_path: str) -> None:
+    """The log-probs file, then its manifest (SHA-256 of the file) last: a reader trusts only a complete pair."""
     path.parent.mkdir(parents=True, exist_ok=True)
     staging = path.with_suffix(f".tmp{os.getpid()}")
     meta = {"key": key, "pairs": str(chosen.numel()), "reference": spec.path, "data": data_path,
             "settings": json.dumps(spec.key_fields(), sort_keys=True)}
     save_file({"chosen": chosen.contiguous(), "rejected": rejected.contiguous()}, str(staging), metadata=meta)
+    manifest = {"key": key, "sha256": hashlib.sha256(staging.read_bytes()).hexdigest(), "file": path.name}
+    _manifest_of(path).unlink(missing_ok=True)
     os.replace(staging, path)  # atomic: a reader never sees half a file
+    manifest_staging = _manifest_of(path).with_suffix(f".tmp{os.getpid()}")
+    manifest_staging.write_text(json.dumps(manifest, indent=1))
+    os.replace(manifest_staging, _manifest_of(path))
 
 
 def compute_reference_logps(

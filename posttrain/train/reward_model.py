@@ -182,6 +182,8 @@ def reward_evaluator(config: RewardModelRecipe, pairs: list[TokenizedPair], pad_
 def run_reward_model(config: RewardModelRecipe) -> int:
     run = start_run(config)
     try:
+        if run.finished:
+            return 0
         geometry = batch_geometry(config)
         tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         pad_id = tokenizer.pad_token_id
@@ -229,7 +231,7 @@ def run_reward_model(config: RewardModelRecipe) -> int:
                                    "truncation_side": config.data.truncation_side,
                                    "held_out_accuracy": after["accuracy"]}
                 (final / SCORER_SETTINGS).write_text(json.dumps(scorer_settings, indent=1))
-            finish("rm", settings, final)
+            finish("rm", run, settings, final)
         return code
     finally:
         dist.destroy()

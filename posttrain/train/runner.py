@@ -8,8 +8,7 @@ batch geometry with ``batch_geometry``, the loop's settings with ``loop_settings
 
 from __future__ import annotations
 
-import hashlib
-import json
+import errno
 import random
 import sys
 import warnings
@@ -25,16 +24,12 @@ from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.models.load import load_model, load_tokenizer
 from posttrain.models.tiny import count_parameters
-from posttrain.train.checkpoint import export_hf, full_model_state_dict
+from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
+from posttrain.train.identity import ResumeError, ResumePlan, RunIdentity, plan_resume, write_finished
 from posttrain.train.loop import Evaluate, LoopSettings
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.source import BatchGeometry
-
-
-def config_hash(config: TrainingRecipe) -> str:
-    text = json.dumps(config.model_dump(mode="json"), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def say(message: str) -> None:
@@ -47,22 +42,56 @@ def say(message: str) -> None:
 class Run:
     config: TrainingRecipe
     output_dir: Path
-    config_hash: str
+    identity: RunIdentity
+    plan: ResumePlan
+
+    @property
+    def finished(self) -> bool:
+        """The run in ``output_dir`` already finished: the recipe has nothing to do."""
+        return self.plan.finished is not None
 
 
 def start_run(config: TrainingRecipe) -> Run:
-    """Process group, seeds, output directory and the resolved ``config.yaml`` (the config is not changed after)."""
+    """Process group, seeds, output directory, the resume decision and the resolved ``config.yaml``.
+
+    The resume decision (``posttrain.train.identity.plan_resume``) is made once on rank 0, before any data
+    is read, and shared with every rank; a refused resume raises ``ResumeError``. The config is not changed
+    after ``config.yaml`` is written.
+    """
     dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     output_dir = Path(config.output_dir)
+    plan: ResumePlan | ResumeError | DiskFullError | None = None
+    identity = None
     if dist.is_main():
         output_dir.mkdir(parents=True, exist_ok=True)
-        dump_config(config, output_dir / "config.yaml")
-    dist.barrier()
-    return Run(config, output_dir, config_hash(config))
+        identity = RunIdentity.of(config)
+        try:
+            plan = plan_resume(output_dir, identity, config.train.resume)
+        except ResumeError as exc:
+            plan = exc
+        if isinstance(plan, ResumePlan) and plan.finished is None:
+            try:
+                dump_config(config, output_dir / "config.yaml")
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC:
+                    raise
+                plan = DiskFullError(errno.ENOSPC, f"no space left on the device for {output_dir}: free space and "
+                                     "rerun")
+    identity, plan = dist.broadcast_object((identity, plan))
+    if isinstance(plan, ResumeError | DiskFullError):
+        dist.destroy()
+        raise plan
+    if plan.finished is not None:
+        say(f"{output_dir} holds a finished run ({plan.finished['steps']} steps, exported to "
+            f"{output_dir / (plan.finished['export'] or 'final')}): nothing to do. To train again, use a new "
+            "output_dir or train.resume=never")
+    elif plan.message:
+        say(plan.message)
+    return Run(config, output_dir, identity, plan)
 
 
 def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
@@ -135,7 +164,8 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         sharded=uses_fsdp(train.fsdp),
         params_for_mfu=count_parameters(lm, exclude_embeddings=True),
         peak_flops=train.peak_flops,
-        config_hash=run.config_hash,
+        identity=run.identity.to_dict(),
+        resume_from=run.plan.checkpoint,
         health=HealthGuard(
             spike_ratio=health.spike_ratio,
             window=health.window,
@@ -167,8 +197,10 @@ def export_final(run: Run, root: torch.nn.Module, lm: torch.nn.Module, tokenizer
     return final
 
 
-def finish(name: str, settings: LoopSettings, export: Path | None) -> None:
-    """The one-screen summary a finished run ends with (rank 0, stderr)."""
+def finish(name: str, run: Run, settings: LoopSettings, export: Path | None) -> None:
+    """Mark the run finished (a rerun says so instead of exporting again) and print the one-screen summary."""
     settings.summary.export = str(export) if export is not None else None
+    if dist.is_main():
+        write_finished(run.output_dir, run.identity, settings.summary.steps, export)
     for line in settings.summary.lines(name):
         say(line)

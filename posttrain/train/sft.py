@@ -194,6 +194,8 @@ def mean_loss_evaluator(units: list, batch_size: int, pad_id: int, packing: bool
 def run_sft(config: SFTRecipe) -> int:
     run = start_run(config)
     try:
+        if run.finished:
+            return 0
         geometry = batch_geometry(config)
         root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
         pad_id = tokenizer.pad_token_id
@@ -215,7 +217,7 @@ def run_sft(config: SFTRecipe) -> int:
                                                     config.train.precision, settings.sharded)
         code = train(root, source, sft_step_loss, settings)
         if code == 0:
-            finish("sft", settings, export_final(run, root, lm, tokenizer))
+            finish("sft", run, settings, export_final(run, root, lm, tokenizer))
         return code
     finally:
         dist.destroy()

@@ -60,16 +60,19 @@ def test_warmup_as_long_as_the_run_warns_and_alerts(tiny_model_dir, sft_data, tm
     assert any(a["kind"] == "config_warning" for a in read_jsonl(out / "alerts.jsonl"))
 
 
-def test_the_resolved_config_is_the_config_the_run_used(tiny_model_dir, sft_data, tmp_path):
+def test_the_resolved_config_is_the_config_the_run_used(tiny_model_dir, sft_data, tmp_path, capsys):
     out = tmp_path / "run"
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 2})) == 0
     resolved = SFTRecipe.model_validate(yaml.safe_load((out / "config.yaml").read_text()))
     assert resolved.train.global_batch == 4 and resolved.train.epochs is None and resolved.train.max_steps == 2
-    # Run from the written config: the same run (same config hash), so it resumes without a warning.
+    # Run from the written config: the same run (same identity), already finished — said, not redone.
+    exported = (out / "final" / "model.safetensors").stat().st_mtime_ns
+    capsys.readouterr()
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert run_in_process(["--config", str(out / "config.yaml")]) == 0
-    assert [a["step"] for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "resumed"] == [2]
+    assert "holds a finished run (2 steps" in capsys.readouterr().err
+    assert (out / "final" / "model.safetensors").stat().st_mtime_ns == exported
 
 
 def test_a_micro_batch_bigger_than_the_global_batch_warns(tiny_model_dir, sft_data, tmp_path):

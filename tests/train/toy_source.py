@@ -22,6 +22,7 @@ from safetensors.torch import save_file
 from posttrain.algorithms.sft import sft_loss
 from posttrain.models.load import load_model, load_tokenizer
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.train.checkpoint import latest_valid_checkpoint
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.loop import LoopSettings, train
 from posttrain.train.source import StepBatch
@@ -100,9 +101,10 @@ def main(argv: list[str] | None = None) -> int:
     settings = LoopSettings(
         output_dir=out, lr=3e-3, lr_schedule="cosine", warmup_steps=1, min_lr_ratio=0.0, weight_decay=0.0,
         betas=(0.9, 0.95), max_grad_norm=1.0, save_every=2, keep_last=2, log_every=1, precision="fp32",
-        sharded=False, params_for_mfu=1, peak_flops=1e12, config_hash="toy",
+        sharded=False, params_for_mfu=1, peak_flops=1e12, identity={"run": "toy"},
         health=HealthGuard(enabled=False), alerts=Alerts(out / "alerts.jsonl"), crash_at_step=args.crash_at,
         log_unit_ids=True, tensorboard=False,
+        resume_from=latest_valid_checkpoint(out / "checkpoints"),  # the recipes decide this in plan_resume
     )
     code = train(root, source, toy_loss, settings)
     if code == 0:

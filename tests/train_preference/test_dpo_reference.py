@@ -82,9 +82,27 @@ def test_a_corrupt_or_foreign_cache_file_is_not_trusted(pref_model_dir, tmp_path
     pairs = _pairs(pref_model_dir, data_path)
     first = reference_logps(spec, pairs, 0, data_path, tmp_path / "cache")
     save_file({"chosen": torch.zeros(8), "rejected": torch.zeros(8)}, str(first.path), metadata={"key": "other"})
-    redone = reference_logps(spec, pairs, 0, data_path, tmp_path / "cache")
+    with pytest.warns(UserWarning, match="does not match its manifest"):
+        redone = reference_logps(spec, pairs, 0, data_path, tmp_path / "cache")
     assert not redone.reused
     torch.testing.assert_close(redone.chosen, first.chosen)
+
+
+def test_a_cache_overwritten_with_zeros_under_its_own_header_is_recomputed(pref_model_dir, pref_data, tmp_path):
+    """The failure seen before the manifest: the file's header (key, pair count) intact, its numbers zeroed,
+    and the zeros "reused" — DPO's step-0 loss was 36.96 instead of ln 2."""
+    cache = tmp_path / "cache"
+    extra = {"train.max_steps": 1, "dpo.reference_cache_dir": str(cache)}
+    data = {"train": pref_data["train"]}
+    assert run_cli("dpo", dpo_overrides(pref_model_dir, data, tmp_path / "first", **extra)) == 0
+    [cached] = cache.glob("*.safetensors")
+    header_length = 8 + int.from_bytes(cached.read_bytes()[:8], "little")
+    raw = cached.read_bytes()
+    cached.write_bytes(raw[:header_length] + bytes(len(raw) - header_length))  # same header, zeroed numbers
+    with pytest.warns(UserWarning, match="does not match its manifest"):
+        assert run_cli("dpo", dpo_overrides(pref_model_dir, data, tmp_path / "second", **extra)) == 0
+    [step0] = [m for m in read_jsonl(tmp_path / "second" / "metrics.jsonl") if "loss" in m]
+    assert step0["loss"] == pytest.approx(0.693147, abs=1e-4)
 
 
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # gc.get_objects() touches deprecated torch aliases

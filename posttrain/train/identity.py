@@ -1,0 +1,166 @@
+"""What makes a run the same run: the rules a resume is checked against.
+
+A run's **identity** is its resolved config without the keys that only say where it lives or how it
+reports (``output_dir`` — copying or moving a run directory does not change the run —, ``train.resume``,
+``train.log_every``, ``train.keep_last``, ``metrics``, ``alerts``, and the drills' ``debug.crash_at_step``
+and ``debug.log_unit_ids``), plus the **model**: a SHA-256 over the files of
+``model.path`` (weights, config, tokenizer) and its architecture (from its ``config.json``). Every
+checkpoint manifest and the ``finished.json`` marker record it.
+
+When ``output_dir`` already holds a run, ``plan_resume`` (called once, on rank 0, before any data is
+read) decides:
+
+- the model's files or architecture differ → **refuse** (``ResumeError``, exit 2): resuming would load
+  weights into the wrong model (a 4-layer checkpoint into a 2-layer model loads 2 layers and drops the
+  rest). The fix is a new ``output_dir``, or ``train.resume=never`` to start over in this one;
+- other config keys differ → resume, with a warning that names every changed key;
+- the run already finished (``finished.json``) → nothing to do: say so and stop, instead of exporting
+  again;
+- ``train.resume``: ``auto`` (the default) resumes from the newest valid checkpoint when there is one;
+  ``must`` refuses to start without one; ``never`` moves the previous run's files into
+  ``previous-<UTC time>/`` (nothing is deleted) and starts from step 0.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_valid_checkpoint
+
+FINISHED = "finished.json"
+# Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
+NOT_IDENTITY = ({"output_dir", "metrics", "alerts"},
+                {"train": {"resume", "log_every", "keep_last"}, "debug": {"crash_at_step", "log_unit_ids"}})
+ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                     "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
+# Files of a run directory that ``train.resume=never`` moves aside before starting over.
+RUN_FILES = ("checkpoints", "final", FINISHED, "metrics.jsonl", "alerts.jsonl", "units.jsonl", "eval.json",
+             "tensorboard", "pairs.jsonl", "dropped_pairs.jsonl")
+
+
+class ResumeError(ValueError):
+    """The output directory holds a run this config must not resume; the message says what to do."""
+
+
+def model_identity(model_path: str) -> dict[str, Any]:
+    """``{"digest", "architecture"}`` of a model directory (a hub id is identified by its name)."""
+    from posttrain.train.reference import model_digest
+
+    config_path = Path(model_path) / "config.json"
+    config = json.loads(config_path.read_text()) if config_path.exists() else {}
+    return {"digest": model_digest(model_path),
+            "architecture": {key: config[key] for key in ARCHITECTURE_KEYS if key in config}}
+
+
+def config_identity(config_dump: dict[str, Any]) -> dict[str, Any]:
+    top, nested = NOT_IDENTITY
+    kept = {key: value for key, value in config_dump.items() if key not in top}
+    for section, keys in nested.items():
+        if isinstance(kept.get(section), dict):
+            kept[section] = {key: value for key, value in kept[section].items() if key not in keys}
+    return kept
+
+
+@dataclass
+class RunIdentity:
+    config: dict[str, Any]
+    model: dict[str, Any]
+
+    @classmethod
+    def of(cls, config) -> RunIdentity:
+        return cls(config_identity(config.model_dump(mode="json")), model_identity(config.model.path))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"config": self.config, "model": self.model}
+
+    @property
+    def hash(self) -> str:
+        return identity_hash(self.to_dict())
+
+
+def changed_keys(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two config dumps (added and removed keys included)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        keys = sorted(set(old) | set(new))
+        return [changed for key in keys for changed in changed_keys(old.get(key), new.get(key), f"{prefix}{key}.")]
+    return [] if old == new else [prefix.rstrip(".")]
+
+
+@dataclass
+class ResumePlan:
+    checkpoint: CheckpointInfo | None
+    finished: dict[str, Any] | None
+    message: str = ""
+
+
+def _check_model(saved: dict[str, Any], current: RunIdentity, where: str, output_dir: Path) -> None:
+    model = saved.get("model") or {}
+    fix = (f"use a new output_dir, or train.resume=never to start over in {output_dir} (the old run is moved "
+           "into previous-<time>/, nothing is deleted)")
+    old_arch, new_arch = model.get("architecture") or {}, current.model["architecture"]
+    if old_arch and new_arch and old_arch != new_arch:
+        diff = ", ".join(f"{key} {old_arch.get(key)} → {new_arch.get(key)}" for key in changed_keys(old_arch, new_arch))
+        raise ResumeError(f"{where} was written for a model of another architecture ({diff}); {fix}")
+    if model.get("digest") and model["digest"] != current.model["digest"]:
+        raise ResumeError(f"{where} was written with other model files than model.path={current.config['model']['path']} "
+                          f"(content hash {model['digest'][:12]} ≠ {current.model['digest'][:12]}); {fix}")
+
+
+def _warn_changed(saved: dict[str, Any], current: RunIdentity, where: str) -> None:
+    changed = changed_keys(saved.get("config") or {}, current.config)
+    if changed:
+        warnings.warn(f"resuming {where}, written with a different config: changed {', '.join(changed)}", stacklevel=3)
+
+
+def move_previous_run(output_dir: Path) -> Path | None:
+    """``train.resume=never``: move what an earlier run left in ``output_dir`` into ``previous-<UTC time>/``."""
+    present = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
+    if not present:
+        return None
+    target = output_dir / time.strftime("previous-%Y%m%dT%H%M%SZ", time.gmtime())
+    target.mkdir(parents=True, exist_ok=False)
+    for path in present:
+        shutil.move(str(path), str(target / path.name))
+    return target
+
+
+def plan_resume(output_dir: Path, identity: RunIdentity, mode: str) -> ResumePlan:
+    """Decide how this run starts (see the module docstring); raises ``ResumeError`` to refuse."""
+    if mode == "never":
+        moved = move_previous_run(output_dir)
+        return ResumePlan(None, None, f"train.resume=never: the previous run was moved to {moved}" if moved else "")
+    finished_path = output_dir / FINISHED
+    finished = json.loads(finished_path.read_text()) if finished_path.exists() else None
+    if finished is not None and finished.get("export") and not (output_dir / finished["export"]).exists():
+        finished = None  # the export was removed: resume from the last checkpoint and export again
+    if finished is not None:
+        _check_model(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
+        _warn_changed(finished.get("identity") or {}, identity, f"the finished run in {output_dir}")
+        return ResumePlan(None, finished)
+    checkpoint = latest_valid_checkpoint(output_dir / "checkpoints")
+    if checkpoint is None:
+        if mode == "must":
+            raise ResumeError(f"train.resume=must but {output_dir} holds no valid checkpoint to resume from")
+        return ResumePlan(None, None)
+    where = f"checkpoint {checkpoint.path}"
+    saved = checkpoint.manifest.get("identity") or {}
+    _check_model(saved, identity, where, output_dir)
+    _warn_changed(saved, identity, where)
+    ranks = checkpoint.manifest.get("world_size", 1)
+    return ResumePlan(checkpoint, None, f"resuming from step {checkpoint.step} of {where} (written by {ranks} rank(s))")
+
+
+def write_finished(output_dir: Path, identity: RunIdentity, steps: int, export: Path | None) -> None:
+    """The marker a rerun reads to say "finished" instead of training or exporting again (rank 0)."""
+    if export is not None:  # relative to the run directory, so a copied run directory stays consistent
+        export = export.resolve().relative_to(output_dir.resolve()) if export.resolve().is_relative_to(
+            output_dir.resolve()) else export.resolve()
+    (output_dir / FINISHED).write_text(json.dumps(
+        {"steps": steps, "export": str(export) if export else None, "time": time.time(),
+         "identity": identity.to_dict()}, indent=1))
