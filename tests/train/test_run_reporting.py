@@ -79,3 +79,15 @@ def test_a_micro_batch_bigger_than_the_global_batch_warns(tiny_model_dir, sft_da
     with pytest.warns(UserWarning, match="train.batch_size=8 is more than each rank's share"):
         assert run_in_process(base_overrides(tiny_model_dir, sft_data, tmp_path / "run", **{
             "train.max_steps": 1, "train.batch_size": 8, "train.global_batch_size": 4})) == 0
+
+
+def test_a_skipped_update_is_said_in_one_line_and_in_the_progress(tiny_model_dir, sft_data, tmp_path):
+    out = tmp_path / "run"
+    proc = run_subprocess(base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 5,
+                                                                          "debug.nan_steps": "[2]"}))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "update skipped by the health guard" in line]
+    assert len(said) == 1 and said[0].startswith("[posttrain] step 2:") and "non-finite" in said[0]
+    progress = [line for line in proc.stderr.splitlines() if line.startswith("[posttrain] sft:")]
+    assert progress and all("update=SKIPPED" in line for line in progress if "loss=nan" in line)
+    assert any("loss=nan" in line for line in progress)
