@@ -63,6 +63,7 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
     )
     say(report.summary())
+    report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined
     rows, tokens = tokenize_records(records, tokenizer, config.train.max_length, config.data.truncation_side,
                                     progress=dist.is_main())
     examples, dropped = [], Counter()
