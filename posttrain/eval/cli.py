@@ -82,6 +82,9 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("--suite is required (a registered suite name or a suite file)")
     if not (args.model or args.outputs):
         return _fail("give --model DIR (generate and score) or --outputs FILE (score given outputs)")
+    if args.n != 1:
+        return _fail(f"evaluation scores one output per item: --n must be 1 (got {args.n}); draw several answers "
+                     "per prompt with `posttrain generate --n` or `posttrain sample`")
     from posttrain.eval.harness import MissingOutputs, evaluate
     from posttrain.eval.items import load_suite
     from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable
@@ -133,17 +136,23 @@ def format_scores(results: dict) -> str:
 
 
 def _read_results(path: str) -> dict | str:
-    """A results file, or why it is not one (``file:line:column`` for broken JSON)."""
+    """A results file, or why it is not one (``file:line`` and the column for broken JSON)."""
+    from posttrain.data.io import json_syntax_error
+
     try:
         data = json.loads(Path(path).read_text(encoding="utf-8"))
     except json.JSONDecodeError as exc:
-        return f"{path}:{exc.lineno}:{exc.colno}: not valid JSON ({exc.msg})"
+        line, reason = json_syntax_error(exc.doc, exc)
+        return f"{path}:{line}: {reason}"
     if not isinstance(data, dict) or not isinstance(data.get("items"), list):
         return f"{path}: not a `posttrain eval` results file (no `items` list)"
     for index, item in enumerate(data["items"]):
         missing = [key for key in ("id", "score") if not isinstance(item, dict) or key not in item]
         if missing:
             return f"{path}: items[{index}]: `{missing[0]}` is missing (not a `posttrain eval` results file?)"
+        score = item["score"]
+        if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
+            return f"{path}: items[{index}]: `score` must be a number in [0, 1], got {score!r}"
     return data
 
 

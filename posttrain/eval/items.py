@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from posttrain.data.errors import DataError
-from posttrain.data.io import iter_jsonl
+from posttrain.data.io import iter_jsonl, json_syntax_error
 from posttrain.data.records import Message, RLPrompt, stable_id
 
 
@@ -231,7 +231,8 @@ def _suite_from_file(path: Path) -> Suite:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise DataError(str(path), exc.lineno, None, f"not valid JSON: {exc.msg}") from None
+            line, reason = json_syntax_error(exc.doc, exc)
+            raise DataError(str(path), line, None, reason) from None
     allowed = {"name", "description", "group_weights", "items", "items_file"}
     unknown = sorted(set(data) - allowed)
     if unknown:

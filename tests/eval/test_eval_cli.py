@@ -172,4 +172,18 @@ def test_compare_names_the_position_of_broken_json(tmp_path, capsys):
     bad = tmp_path / "cut.json"
     bad.write_text('{"suite": "s",\n "items": [{"id": "a", "sco')
     assert main(["eval", "compare", str(bad), str(bad)]) == 2
-    assert f"{bad}:2:24: not valid JSON (Unterminated string" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert f"{bad}:2: malformed JSON: an unterminated string: the text ends before the JSON is complete, at column 28" \
+        in err
+    assert "the string starts at column 24" in err
+    scored = tmp_path / "scored.json"
+    scored.write_text(json.dumps({"suite": "s", "items": [{"id": "a", "group": "g", "score": "abc"}]}))
+    assert main(["eval", "compare", str(scored), str(scored)]) == 2
+    assert "items[0]: `score` must be a number in [0, 1], got 'abc'" in capsys.readouterr().err
+
+
+def test_eval_refuses_several_samples_per_item(tmp_path, tiny_model_dir, capsys):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text(json.dumps(SUITE_ROWS[0]) + "\n")
+    assert main(["eval", "--model", tiny_model_dir, "--suite", str(suite), "--n", "2", "--quiet"]) == 2
+    assert "--n must be 1 (got 2)" in capsys.readouterr().err
