@@ -8,6 +8,11 @@ code; each module in ``_COMMAND_MODULES`` exposes ``register(subparsers)`` and s
 First contact must be fast: building the parser imports only argparse, pydantic, yaml and the config
 schemas. torch, transformers, numpy, fsspec… are imported inside the functions that run a command
 (``tests/test_cli_imports.py`` fails if ``--help`` or ``validate`` import them).
+
+Failures keep the exit codes' promise. Bad config or input (``BAD_INPUT_ERRORS``, missing paths) exits
+2 with one line that says what is wrong; anything else is a bug, reported in one line as ``posttrain:
+internal error: <type>: <message>`` with exit 1. ``posttrain --debug <command> ...`` also prints the
+traceback, with the same exit code.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+import traceback
 
 from posttrain import __version__
 from posttrain.exit_codes import EXIT_BAD_CONFIG, EXIT_FAILED, EXIT_OK, EXIT_RESUMABLE
@@ -30,9 +36,32 @@ _COMMAND_MODULES = (
     "posttrain.eval.cli",
 )
 
+# Raised for bad config or bad input; each message says what is wrong and how to fix it. Named by module so
+# that recognising them imports nothing: a class whose module was never loaded cannot have been raised.
+BAD_INPUT_ERRORS = (
+    ("posttrain.config.loader", "ConfigError"),
+    ("posttrain.data.errors", "DataError"),
+    ("posttrain.data.formats", "FormatError"),
+    ("posttrain.data.chat", "TemplateError"),
+    ("posttrain.train.source", "BatchSizeError"),
+    ("posttrain.train.identity", "ResumeError"),
+    ("posttrain.algorithms.registry", "UnknownNameError"),
+    ("posttrain.eval.harness", "MissingOutputs"),
+    ("posttrain.eval.pairing", "IncomparableResults"),
+    ("posttrain.eval.sandbox", "SandboxUnavailable"),
+    ("posttrain.tasks.problem", "TaskSpaceExhausted"),
+    ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
+)
+# The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
+ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)
+# A path given on the command line or in a config that cannot be used as asked.
+BAD_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
+
 EPILOG = f"""\
 exit codes: {EXIT_OK} ok, {EXIT_FAILED} failed, {EXIT_BAD_CONFIG} bad config or input,
             {EXIT_RESUMABLE} preempted after saving a checkpoint (rerun the same command to resume)
+errors:     one line each; a bug reads `posttrain: internal error: ...` (exit {EXIT_FAILED}):
+            rerun with `posttrain --debug COMMAND ...` for the traceback
 threads:    OMP_NUM_THREADS if set, else every core; OMP_WAIT_POLICY=PASSIVE unless set (see posttrain.threads)
 """
 
@@ -76,11 +105,48 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="when a command fails, also print the traceback (the exit code stays the same)")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module_name in _COMMAND_MODULES:
         importlib.import_module(module_name).register(subparsers)
     _add_recipe_commands(subparsers)
     return parser
+
+
+def _is_one_of(exc: BaseException, table: tuple[tuple[str, str], ...]) -> bool:
+    """Whether ``exc`` is an instance of a class in ``table`` (looked up by module, so nothing is imported)."""
+    for module_name, class_name in table:
+        module = sys.modules.get(module_name)
+        error = getattr(module, class_name, None) if module else None
+        if error is not None and isinstance(exc, error):
+            return True
+    return False
+
+
+def is_bad_input(exc: BaseException) -> bool:
+    """Whether ``exc`` reports bad config or input (exit 2) rather than a bug (exit 1)."""
+    return isinstance(exc, BAD_PATH_ERRORS) or _is_one_of(exc, BAD_INPUT_ERRORS)
+
+
+def report_failure(exc: BaseException, debug: bool) -> int:
+    """Print a failed command's message (and, with ``debug``, its traceback); return its exit code."""
+    if debug:
+        traceback.print_exception(exc, file=sys.stderr)
+    config_error = sys.modules.get("posttrain.config.loader")
+    if config_error is not None and isinstance(exc, config_error.ConfigError):
+        print(f"posttrain: invalid config\n{exc}", file=sys.stderr)  # one line per bad key
+        return EXIT_BAD_CONFIG
+    message = " ".join(str(exc).split()) or type(exc).__name__
+    if _is_one_of(exc, ENVIRONMENT_ERRORS):
+        print(f"posttrain: {getattr(exc, 'strerror', None) or message}", file=sys.stderr)
+        return EXIT_FAILED
+    if is_bad_input(exc):
+        print(f"posttrain: {message}", file=sys.stderr)
+        return EXIT_BAD_CONFIG
+    print(f"posttrain: internal error: {type(exc).__name__}: {message} (rerun with --debug for the traceback)",
+          file=sys.stderr)
+    return EXIT_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,28 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     # Every command, before any of them imports torch: OpenMP reads its settings once, when it loads.
     # Commands that never run torch (validate, recipes) only get two environment variables set.
     configure_threads(None)
-    from posttrain.config.loader import ConfigError
-
     try:
         return int(args.func(args) or 0)
-    except ConfigError as exc:
-        print(f"posttrain: invalid config\n{exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except OSError as exc:
-        from posttrain.train.checkpoint import DiskFullError
-
-        if isinstance(exc, DiskFullError):
-            print(f"posttrain: {exc.strerror}", file=sys.stderr)
-            return EXIT_FAILED
-        if not isinstance(exc, FileNotFoundError):
-            raise
-        print(f"posttrain: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
-    except (FileNotFoundError, ValueError) as exc:
-        from posttrain.data.errors import DataError
-        from posttrain.train.identity import ResumeError
-
-        if isinstance(exc, DataError | FileNotFoundError | ResumeError):
-            print(f"posttrain: {exc}", file=sys.stderr)
-            return EXIT_BAD_CONFIG
-        raise
+    except Exception as exc:  # noqa: BLE001 - every failure becomes one line and an exit code
+        return report_failure(exc, args.debug)

@@ -57,7 +57,15 @@ from typing import Any
 from pydantic import ValidationError
 
 from posttrain.data.kind_hints import wrong_kind_message
-from posttrain.data.records import Message, PreferencePair, Record, RLPrompt, SFTExample
+from posttrain.data.records import (
+    ASSISTANT_FIRST,
+    Message,
+    PreferencePair,
+    Record,
+    RLPrompt,
+    SFTExample,
+    starts_with_assistant,
+)
 
 FORMAT_KIND = {
     "messages": "sft",
@@ -357,9 +365,15 @@ def _completion_key(raw: dict) -> str:
 # -------------------------------------------------------------------------------------- converters
 
 
+def _need_prompt_first(messages: list[Message], role_field: str) -> None:
+    if starts_with_assistant(messages):  # EMPTY_PROMPT: the first assistant turn has nothing to answer
+        raise FormatError(role_field, ASSISTANT_FIRST, EMPTY_PROMPT)
+
+
 def _from_chat(raw: dict, fmt: str) -> SFTExample:
     messages, field = _chat(raw, fmt)
     _need_assistant(messages, field)
+    _need_prompt_first(messages, f"{field}[0].{'from' if fmt == 'sharegpt' else 'role'}")
     return SFTExample(messages=messages, **_tags(raw, fmt))
 
 
@@ -372,6 +386,7 @@ def _from_alpaca(raw: dict) -> SFTExample:
 def _from_prompt_completion(raw: dict) -> SFTExample:
     key = _completion_key(raw)
     prompt = parse_prompt(_require(raw, "prompt"))
+    _need_prompt_first(prompt, "prompt[0].role")
     completion = _response(_require(raw, key), key)
     return SFTExample(messages=[*prompt, *completion], **_tags(raw, "prompt_completion"))
 

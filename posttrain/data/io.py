@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import logging
+import lzma
 import os
-from collections import Counter, defaultdict
+import zlib
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
@@ -36,8 +37,10 @@ from posttrain.data.formats import (
     NOT_AN_OBJECT,
     FormatError,
     convert,
+    detect_format,
     record_to_raw,
 )
+from posttrain.data.read_report import ReadReport
 from posttrain.data.records import RECORD_KINDS, Record
 from posttrain.progress import progress as progress_bar
 
@@ -48,58 +51,6 @@ Layout = Literal["lines", "rows"]
 _COMPRESSION_SUFFIXES = {".gz", ".bz2", ".xz", ".zst"}
 LINE_SUFFIXES = (".jsonl", ".ndjson")
 RECORD_SUFFIXES = (*LINE_SUFFIXES, ".json", ".parquet")
-_EXAMPLE_LINES_PER_REASON = 5
-
-
-@dataclass
-class ReadReport:
-    """What a read did. Invariant: ``read == accepted + quarantined``.
-
-    ``reasons`` counts bad records by category; ``example_lines`` keeps the first few line numbers of
-    each category so a person can go and look. ``blank_lines`` are whitespace-only lines, which hold
-    no record and are not counted as read.
-    """
-
-    path: str
-    read: int = 0
-    accepted: int = 0
-    quarantined: int = 0
-    reasons: Counter[str] = field(default_factory=Counter)
-    formats: Counter[str] = field(default_factory=Counter)
-    kinds: Counter[str] = field(default_factory=Counter)
-    example_lines: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
-    blank_lines: int = 0
-    quarantine_path: str | None = None
-
-    def add_bad(self, category: str, line: int | None) -> None:
-        self.quarantined += 1
-        self.reasons[category] += 1
-        if line is not None and len(self.example_lines[category]) < _EXAMPLE_LINES_PER_REASON:
-            self.example_lines[category].append(line)
-
-    def summary(self) -> str:
-        text = f"{self.path}: read {self.read} = accepted {self.accepted} + quarantined {self.quarantined}"
-        if self.reasons:
-            text += " (" + ", ".join(f"{reason}: {count}" for reason, count in self.reasons.most_common()) + ")"
-        if self.quarantined:
-            text += f" -> {self.quarantine_path}" if self.quarantine_path else " (not saved)"
-        if self.blank_lines:
-            text += f"; {self.blank_lines} blank line(s) skipped"
-        return text
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "read": self.read,
-            "accepted": self.accepted,
-            "quarantined": self.quarantined,
-            "reasons": dict(self.reasons),
-            "formats": dict(self.formats),
-            "kinds": dict(self.kinds),
-            "example_lines": dict(self.example_lines),
-            "blank_lines": self.blank_lines,
-            "quarantine_path": self.quarantine_path,
-        }
 
 
 @dataclass
@@ -121,6 +72,29 @@ def _suffix(path: str) -> str:
     return suffixes[-1] if suffixes else ""
 
 
+def json_syntax_error(text: str, exc: json.JSONDecodeError) -> tuple[int, str]:
+    """``(line, reason)`` for a JSON syntax error in ``text``: 1-based line, the column relative to that line.
+
+    When the text simply stops too early (the error sits at its end, or a string never closes) the place
+    to look at in a truncated file is where the content ends, so that is the position given (the column
+    just after the last character, as json counts); ``json`` itself points at the start of the open
+    string, or at column 1 of the empty line after the content.
+    """
+    end = len(text.rstrip())
+    unterminated = exc.msg.startswith("Unterminated string")
+    if exc.pos < end and not unterminated:
+        return exc.lineno, f"malformed JSON: {exc.msg} (column {exc.colno})"
+    line = text.count("\n", 0, end) + 1
+    column = end - (text.rfind("\n", 0, end) + 1) + 1
+    what = "an unterminated string" if unterminated else exc.msg.lower()
+    opened = ""
+    if unterminated:
+        of_line = f" of line {exc.lineno}" if exc.lineno != line else ""
+        opened = f"; the string starts at column {exc.colno}{of_line}"
+    return line, (f"malformed JSON: {what}: the text ends before the JSON is complete, at column {column}{opened} "
+                  "(truncated?)")
+
+
 def parse_json_line(data: bytes) -> dict | BadLine:
     """One JSON line (bytes, line ending optional) → its object, or a ``BadLine`` saying what is wrong.
 
@@ -138,7 +112,7 @@ def parse_json_line(data: bytes) -> dict | BadLine:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        return BadLine(f"malformed JSON: {exc.msg} (column {exc.colno})", MALFORMED_JSON, text)
+        return BadLine(json_syntax_error(text, exc)[1], MALFORMED_JSON, text)
     except RecursionError:
         return BadLine("malformed JSON: nested too deeply to parse", MALFORMED_JSON, text)
     if not isinstance(value, dict):
@@ -157,16 +131,54 @@ def _encodable(value: Any) -> bool:
     return True
 
 
+# What decompressors raise for a truncated or damaged stream (gzip: EOFError, BadGzipFile, zlib.error; bz2:
+# EOFError, OSError; xz: LZMAError). An OSError with an errno is a real I/O error and is left alone.
+_DECOMPRESSION_ERRORS = (EOFError, zlib.error, lzma.LZMAError, OSError)
+
+
+def _damaged_stream(path: str, exc: BaseException, lines: int) -> DataError | None:
+    """A one-line ``DataError`` for a compressed file that ends early or is corrupt; None for other errors."""
+    compression = fsspec.utils.infer_compression(str(path))
+    if compression is None or (isinstance(exc, OSError) and exc.errno is not None):
+        return None
+    after = f" after {lines} complete line{'s' if lines != 1 else ''}" if lines else ""
+    check = f" (`gzip -t {path}` checks it)" if compression == "gzip" else ""
+    return DataError(str(path), None, None, f"the {compression}-compressed file is truncated or corrupt{after} "
+                     f"({type(exc).__name__}: {exc}); it cannot be read to the end: re-create or re-download "
+                     f"it{check}")
+
+
 def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
     """``(line_number, bytes)`` of each line of a text file (local or fsspec URL, compression by suffix),
-    line ending removed, a leading UTF-8 BOM dropped. Bytes, so one bad byte spoils one line, not the file."""
-    with fsspec.open(str(path), "rb", compression="infer") as handle:
-        for number, data in enumerate(handle, start=1):
-            if number == 1 and data.startswith(b"\xef\xbb\xbf"):
-                data = data[3:]
-            if data.endswith(b"\n"):
-                data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
-            yield number, data
+    line ending removed, a leading UTF-8 BOM dropped. Bytes, so one bad byte spoils one line, not the file.
+    A truncated or corrupt compressed file raises ``DataError``."""
+    number = 0
+    try:
+        with fsspec.open(str(path), "rb", compression="infer") as handle:
+            for number, data in enumerate(handle, start=1):
+                if number == 1 and data.startswith(b"\xef\xbb\xbf"):
+                    data = data[3:]
+                if data.endswith(b"\n"):
+                    data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
+                yield number, data
+    except _DECOMPRESSION_ERRORS as exc:
+        # `number` lines were read whole before the stream broke (the one being read is lost).
+        error = _damaged_stream(path, exc, number)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _read_all(path: str, size: int = -1) -> bytes:
+    """The (decompressed) bytes of a file, or its first ``size``; ``DataError`` for a damaged compressed file."""
+    try:
+        with fsspec.open(path, "rb", compression="infer") as handle:
+            return handle.read(size)
+    except _DECOMPRESSION_ERRORS as exc:
+        error = _damaged_stream(path, exc, 0)
+        if error is None:
+            raise
+        raise error from None
 
 
 def _iter_json_lines(path: str) -> Iterator[tuple[int, dict | BadLine]]:
@@ -192,8 +204,9 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine
             value, position = decoder.raw_decode(text, position)
         except json.JSONDecodeError as exc:
             # Past a syntax error the element boundaries are unknown, so the rest cannot be read.
-            raise DataError(path, exc.lineno, None, f"malformed JSON: {exc.msg} (column {exc.colno}); a "
-                            "JSON array cannot be read past a syntax error") from None
+            error_line, reason = json_syntax_error(text, exc)
+            raise DataError(path, error_line, None, f"{reason}; a JSON array cannot be read past a syntax "
+                            "error") from None
         if isinstance(value, dict):
             if "\\ud" in text[start:position].lower() and not _encodable(value):
                 yield line, BadLine("a \\u escape holds a lone surrogate (not valid Unicode text)", INVALID_UTF8,
@@ -209,20 +222,20 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine
             continue
         if position < len(text) and text[position] == "]":
             return
+        if position >= len(text.rstrip()):  # the file stops after an element, before its `]`
+            end_line, reason = json_syntax_error(text, json.JSONDecodeError("the JSON array is not closed", text, position))
+            raise DataError(path, end_line, None, reason)
         line = text.count("\n", 0, position) + 1
         raise DataError(path, line, None, "malformed JSON: expected ',' or ']' in the JSON array")
 
 
 def _is_json_array(path: str) -> bool:
     """A ``.json`` file is either JSON lines or one JSON array of objects (common for Alpaca data)."""
-    with fsspec.open(path, "rb", compression="infer") as handle:
-        head = handle.read(4096).lstrip(b"\xef\xbb\xbf \t\r\n")
-    return head.startswith(b"[")
+    return _read_all(path, 4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _iter_json_array_file(path: str) -> Iterator[tuple[int, dict | BadLine]]:
-    with fsspec.open(path, "rb", compression="infer") as handle:
-        data = handle.read()
+    data = _read_all(path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -470,7 +483,7 @@ def read_records(
         raise ValueError(f"unknown format {fmt!r}; expected 'auto' or one of {', '.join(FORMATS)}")
     if on_error not in ("raise", "quarantine"):
         raise ValueError(f"on_error must be 'raise' or 'quarantine', got {on_error!r}")
-    report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None)
+    report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None, kind=kind)
     quarantine = _Quarantine(path, report.quarantine_path)
     records: list[Record] = []
     rows = progress_bar(iter_raw_records(path), desc=f"reading {PurePosixPath(path).name}", unit="rec",
@@ -489,11 +502,15 @@ def read_records(
                 error = DataError(path, line, exc.field, exc.reason)
                 if on_error == "raise":
                     raise error from None
-                report.add_bad(exc.category, line)
+                detected = _detected_format(item, fmt)
+                if detected:
+                    report.detected[detected] += 1
+                report.add_bad(exc.category, line, f"`{exc.field}`: {exc.reason}" if exc.field else exc.reason)
                 quarantine.write(line, error, item.raw if isinstance(item, BadLine) else item)
                 continue
             report.accepted += 1
             report.formats[used] += 1
+            report.detected[used] += 1
             report.kinds[record.kind] += 1
             records.append(record)
     finally:
@@ -503,6 +520,18 @@ def read_records(
     # Quarantined records are a warning, so they show even where nobody configured logging.
     logger.log(logging.WARNING if report.quarantined else logging.INFO, report.summary())
     return records, report
+
+
+def _detected_format(item: dict | BadLine, fmt: str) -> str | None:
+    """The format a refused record was recognised as (None for lines that are not records, or no known format)."""
+    if isinstance(item, BadLine):
+        return None
+    if fmt != "auto":
+        return fmt
+    try:
+        return detect_format(item)
+    except FormatError:
+        return None
 
 
 # ------------------------------------------------------------------------------------------ writing

@@ -53,6 +53,18 @@ def _check_conversation(messages: list[Message], name: str, need_assistant: bool
         raise ValueError(f"{name} has no assistant message to learn from")
 
 
+ASSISTANT_FIRST = (
+    "the conversation starts with an assistant turn: there is no prompt before it for the model to answer "
+    "(and no chat template can render where its text starts); put the user message it answers before it, "
+    "or drop it"
+)
+
+
+def starts_with_assistant(messages: list[Message]) -> bool:
+    """An SFT chat whose first message is the assistant's: a target with nothing before it to condition on."""
+    return bool(messages) and messages[0].role == "assistant"
+
+
 class _Tagged(_Record):
     id: str = ""
     tier: int | None = Field(default=None, ge=1, le=3)
@@ -67,6 +79,8 @@ class SFTExample(_Tagged):
     @model_validator(mode="after")
     def _check(self) -> SFTExample:
         _check_conversation(self.messages, "messages", need_assistant=True)
+        if starts_with_assistant(self.messages):
+            raise ValueError(ASSISTANT_FIRST)
         if not self.id:
             self.id = stable_id([m.model_dump() for m in self.messages], "sft-")
         return self

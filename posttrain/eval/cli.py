@@ -52,17 +52,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="eval_action", metavar="ACTION")
     compare = actions.add_parser(
         "compare",
-        help="Pair two results by item id: delta per capability and composite, paired-bootstrap CI, permutation p.",
-        description="Compare two `posttrain eval` results on the same items. Reports, for the composite index "
-        "and every group and tier, BASE -> NEW, the delta with a paired-bootstrap 95% CI and a paired "
-        "permutation p-value (group/tier p-values Holm-adjusted), and says which changes are significant.",
+        help="Pair two results by item id and content: delta per capability and composite, permutation p and CI.",
+        description="Compare two `posttrain eval` results on the same items (same id and same prompt, tests and "
+        "answer key; items whose content differs are left out and listed). Reports, for the composite index and "
+        "every group and tier, BASE -> NEW, the delta with an exact (or Monte Carlo) paired sign-flip p-value "
+        "and the confidence interval that inverts the same test, so the interval excludes 0 exactly when the "
+        "change is called significant. Groups and tiers are each a family: p-values are Bonferroni-adjusted "
+        "and intervals simultaneous (each at 1 - alpha/m). A test whose changed items are too few to ever reach "
+        "significance says 'too few items to tell'. Exit 2 when the results share no item.",
     )
     compare.add_argument("base", help="results JSON of the baseline")
     compare.add_argument("new", help="results JSON of the new model")
     compare.add_argument("-o", "--output", dest="compare_output", help="write the comparison as JSON")
-    compare.add_argument("--n-boot", dest="compare_n_boot", type=int, default=2000)
     compare.add_argument("--n-perm", type=int, default=10000, help="random sign flips for the permutation test")
-    compare.add_argument("--alpha", type=float, default=0.05)
+    compare.add_argument("--alpha", type=float, default=0.05, help="significance level of each family (default 0.05)")
     compare.add_argument("--seed", dest="compare_seed", type=int, default=0)
     compare.set_defaults(func=_compare)
 
@@ -79,6 +82,9 @@ def _run(args: argparse.Namespace) -> int:
         return _fail("--suite is required (a registered suite name or a suite file)")
     if not (args.model or args.outputs):
         return _fail("give --model DIR (generate and score) or --outputs FILE (score given outputs)")
+    if args.n != 1:
+        return _fail(f"evaluation scores one output per item: --n must be 1 (got {args.n}); draw several answers "
+                     "per prompt with `posttrain generate --n` or `posttrain sample`")
     from posttrain.eval.harness import MissingOutputs, evaluate
     from posttrain.eval.items import load_suite
     from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable
@@ -129,22 +135,43 @@ def format_scores(results: dict) -> str:
     return "\n".join(lines)
 
 
+def _read_results(path: str) -> dict | str:
+    """A results file, or why it is not one (``file:line`` and the column for broken JSON)."""
+    from posttrain.data.io import json_syntax_error
+
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        line, reason = json_syntax_error(exc.doc, exc)
+        return f"{path}:{line}: {reason}"
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        return f"{path}: not a `posttrain eval` results file (no `items` list)"
+    for index, item in enumerate(data["items"]):
+        missing = [key for key in ("id", "score") if not isinstance(item, dict) or key not in item]
+        if missing:
+            return f"{path}: items[{index}]: `{missing[0]}` is missing (not a `posttrain eval` results file?)"
+        score = item["score"]
+        if isinstance(score, bool) or not isinstance(score, int | float) or not 0 <= score <= 1:
+            return f"{path}: items[{index}]: `score` must be a number in [0, 1], got {score!r}"
+    return data
+
+
 def _compare(args: argparse.Namespace) -> int:
-    from posttrain.eval.stats import compare_results
+    from posttrain.eval.stats import IncomparableResults, compare_results
 
     runs = []
     for path in (args.base, args.new):
-        try:
-            runs.append(json.loads(Path(path).read_text(encoding="utf-8")))
-        except json.JSONDecodeError as exc:
-            return _fail(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})")
-        if "items" not in runs[-1]:
-            return _fail(f"{path}: not a `posttrain eval` results file (no `items`)")
-    if runs[0].get("suite") != runs[1].get("suite"):
-        print(f"note: different suites ({runs[0].get('suite')} vs {runs[1].get('suite')}); comparing shared items",
-              file=sys.stderr)
-    result = compare_results(runs[0], runs[1], n_boot=args.compare_n_boot, n_perm=args.n_perm,
-                             seed=args.compare_seed, alpha=args.alpha)
+        run = _read_results(path)
+        if isinstance(run, str):
+            return _fail(run)
+        runs.append(run)
+    suites = (runs[0].get("suite"), runs[1].get("suite"))
+    try:
+        result = compare_results(runs[0], runs[1], n_perm=args.n_perm, seed=args.compare_seed, alpha=args.alpha)
+    except IncomparableResults as exc:
+        return _fail(str(exc) + (f" (suites {suites[0]!r} and {suites[1]!r})" if suites[0] != suites[1] else ""))
+    if suites[0] != suites[1]:
+        print(f"note: different suites ({suites[0]} vs {suites[1]}); comparing shared items", file=sys.stderr)
     result["base"], result["new"] = args.base, args.new
     if args.compare_output:
         Path(args.compare_output).write_text(json.dumps(result, indent=1), encoding="utf-8")

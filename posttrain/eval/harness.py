@@ -2,7 +2,7 @@
 
 ``evaluate`` returns the results dict that ``posttrain eval`` writes as JSON::
 
-    {"suite", "model", "items": [{"id", "group", "tier", "prompt", "output", "score", "passed", "detail",
+    {"suite", "model", "items": [{"id", "content_hash", "group", "tier", "prompt", "output", "score", "passed", "detail",
      "finish_reason"}], "scores": {"groups", "tiers", "composite"}, "weights", "config", "counts", "sandbox"}
 
 Every suite item appears in ``items``: an item whose verifier crashed is scored 0 with the error in
@@ -150,6 +150,7 @@ def evaluate(
             result, output = VerifyResult(0.0, False, "missing output"), None
         rows.append({
             "id": item.id,
+            "content_hash": item.content_hash(),  # eval compare pairs items by id *and* content
             "group": item.group,
             "tier": item.tier,
             "verifier": item.verifier,

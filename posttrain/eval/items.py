@@ -25,8 +25,21 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from posttrain.data.errors import DataError
-from posttrain.data.io import iter_jsonl
-from posttrain.data.records import Message, RLPrompt
+from posttrain.data.io import iter_jsonl, json_syntax_error
+from posttrain.data.records import Message, RLPrompt, stable_id
+
+
+def content_hash(prompt: str | list, answer: str | None = None, tests: str | None = None,
+                 verifier: str | None = None, options: dict[str, Any] | None = None) -> str:
+    """A hash of what an item asks and how its answer is checked: prompt (text, or messages as
+    ``{"role", "content"}`` dicts), answer key, tests, verifier and verifier options. Group, tier and id
+    are labels, not content. ``posttrain eval`` stores it per item so ``eval compare`` pairs the same
+    question, not just the same id."""
+    messages = prompt if isinstance(prompt, str) else [
+        m.model_dump() if isinstance(m, Message) else {"role": m["role"], "content": m["content"]} for m in prompt
+    ]
+    payload = {"prompt": messages, "answer": answer, "tests": tests, "verifier": verifier, "options": options or {}}
+    return stable_id(payload, "sha256:")
 
 
 class EvalItem(BaseModel):
@@ -71,6 +84,9 @@ class EvalItem(BaseModel):
             tier=record.tier,
             options=dict(record.meta.get("verifier_options", {})),
         )
+
+    def content_hash(self) -> str:
+        return content_hash(self.prompt, self.answer, self.tests, self.verifier, self.options)
 
     def prompt_messages(self) -> list[Message]:
         """The prompt as a chat: a plain string becomes one user message."""
@@ -215,7 +231,8 @@ def _suite_from_file(path: Path) -> Suite:
         try:
             data = json.loads(path.read_text(encoding="utf-8"))
         except json.JSONDecodeError as exc:
-            raise DataError(str(path), exc.lineno, None, f"not valid JSON: {exc.msg}") from None
+            line, reason = json_syntax_error(exc.doc, exc)
+            raise DataError(str(path), line, None, reason) from None
     allowed = {"name", "description", "group_weights", "items", "items_file"}
     unknown = sorted(set(data) - allowed)
     if unknown:

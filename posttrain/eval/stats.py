@@ -1,21 +1,31 @@
 """Statistics for scores that mean something: capability scores with bootstrap confidence intervals, a
-weighted composite index, and paired comparisons of two runs.
+weighted composite index, and paired comparisons of two runs whose interval, p-value and words agree.
 
 Definitions (scores are on 0-100):
 
 - capability score of group g: ``S_g = 100 * mean(score_i for items i in g)``;
 - composite index: ``C = sum_g w_g S_g`` with the suite's weights normalised over the groups present
   (equal weights when the suite gives none);
-- 95% CI: percentile bootstrap (Efron & Tibshirani 1993, ch. 13). Items are resampled with replacement
-  *within each group* (a stratified bootstrap), so every replicate keeps the suite's group sizes and the
-  composite's weights stay meaningful;
-- comparison of BASE and NEW on the same items (paired by id): delta ``D_g = S_g(new) - S_g(base)``;
-  CI by the paired bootstrap (resample item pairs within groups); two-sided p-value by a paired
-  permutation (sign-flip) test: under H0 "no difference" each pair's difference ``d_i`` is equally likely
-  to have either sign, so ``p = (1 + #{|T*| >= |T|}) / (1 + n_perm)`` over random sign flips
-  (Good 2005, "Permutation, Parametric and Bootstrap Tests of Hypotheses", §3). Group and tier p-values
-  are also Holm-adjusted (Holm 1979) within their family, and a group/tier change is called significant
-  only when its adjusted p < alpha; the composite is the one primary test and uses its raw p.
+- 95% CI of one run's score: percentile bootstrap (Efron & Tibshirani 1993, ch. 13). Items are resampled
+  with replacement *within each group* (a stratified bootstrap), so every replicate keeps the suite's
+  group sizes and the composite's weights stay meaningful;
+- comparison of BASE and NEW on the same items (``posttrain.eval.pairing``: same id and same content):
+  delta ``D = sum_i c_i (new_i - base_i)`` in points, with ``c_i = 100 w_g / n_g`` for the composite and
+  ``100 / n_g`` for a group or tier. Each delta gets an exact (or Monte Carlo) paired sign-flip
+  permutation p-value and the confidence interval that inverts that same test
+  (``posttrain.eval.permutation``), so the interval excludes 0 exactly when the test rejects.
+- multiplicity: the composite is the one primary test, at level alpha. Groups are a family of m tests,
+  and so are tiers; each member is tested at alpha / m and its interval is the 1 - alpha/m interval
+  (Bonferroni; Dunn 1961, "Multiple comparisons among means", JASA 56:52). The m intervals then hold
+  together with probability at least 1 - alpha (simultaneous), and the reported ``p_adjusted = min(1,
+  m p)`` is <= alpha exactly when the interval excludes 0. Holm's step-down (Holm 1979) rejects a little
+  more often, but its decisions have no simple simultaneous intervals that agree with them (Strassburger
+  & Bretz 2008, Stat. Med. 27:4914), so a Holm verdict would again sit beside an interval that says
+  otherwise;
+- verdicts: "significant" iff p <= the test's level; "no change on any item" when no item changed;
+  "too few items to tell" when even the most extreme outcome of the items that changed could not reach
+  the level (``2 / 2^k > level`` for k changed items); otherwise "consistent with no change". Intervals
+  from one item, or with zero width (every item changed by the same amount), carry a warning.
 """
 
 from __future__ import annotations
@@ -24,6 +34,11 @@ from collections import defaultdict
 from typing import Any
 
 import numpy as np
+
+from posttrain.eval.pairing import IncomparableResults, pair_results
+from posttrain.eval.permutation import SignFlipResult, items_needed, sign_flip_test, sign_flips
+
+__all__ = ["IncomparableResults", "capability_scores", "compare_results", "effective_weights", "summarize_comparison"]
 
 UNSPECIFIED_TIER = "unspecified"
 
@@ -106,133 +121,123 @@ def capability_scores(
     return result
 
 
-def holm_adjust(p_values: dict[str, float]) -> dict[str, float]:
-    """Holm-Bonferroni step-down adjusted p-values: ``p_(k) * (m - k + 1)``, made monotone, capped at 1."""
-    ordered = sorted(p_values.items(), key=lambda kv: kv[1])
-    m = len(ordered)
-    adjusted, running = {}, 0.0
-    for rank, (name, p) in enumerate(ordered):
-        running = max(running, min(1.0, p * (m - rank)))
-        adjusted[name] = running
-    return adjusted
+def _label(row: dict, key: str) -> str:
+    return _tier_key(row.get("tier")) if key == "tier" else str(row.get("group") or "default")
 
 
-def _paired_test(
-    diffs_by_stratum: dict[str, np.ndarray],
-    weights: dict[str, float],
-    n_boot: int,
-    n_perm: int,
-    rng: np.random.Generator,
-    confidence: float,
-) -> dict[str, float]:
-    """Delta (points), paired-bootstrap CI and sign-flip p-value of ``sum_s w_s * 100 * mean(d in s)``."""
-    observed = sum(weights[s] * d.mean() * 100 for s, d in diffs_by_stratum.items())
-    boot = np.zeros(n_boot)
-    perm = np.zeros(n_perm)
-    for stratum, d in diffs_by_stratum.items():
-        boot += weights[stratum] * bootstrap_means(d, n_boot, rng) * 100
-        for start in range(0, n_perm, 1000):
-            count = min(1000, n_perm - start)
-            signs = rng.integers(0, 2, size=(count, d.size), dtype=np.int8) * 2 - 1
-            perm[start : start + count] += weights[stratum] * (signs * d).mean(axis=1) * 100
-    low, high = percentile_ci(boot, confidence)
-    # A tolerance so that float noise in identical statistics counts as "as extreme".
-    extreme = np.abs(perm) >= abs(observed) - 1e-9
-    p_value = float((1 + extreme.sum()) / (1 + n_perm))
-    return {"delta": float(observed), "ci_low": low, "ci_high": high, "p_value": p_value}
+def _block(test: SignFlipResult, base: float, new: float, family_size: int) -> dict[str, Any]:
+    """One reported delta: the test's numbers, the scores either side, and the multiplicity it was judged at."""
+    return {
+        "base": base, "new": new, "delta": test.delta, "ci_low": test.ci_low, "ci_high": test.ci_high,
+        "confidence": test.confidence, "p_value": test.p_value,
+        "p_adjusted": min(1.0, test.p_value * family_size), "family_size": family_size, "level": test.level,
+        "significant": test.rejected, "too_few_items": test.too_few_items, "exact": test.exact, "n": test.n,
+        "n_changed": test.n_changed, "items_needed": items_needed(test.level), "warnings": list(test.warnings),
+    }
 
 
 def compare_results(
     base: dict,
     new: dict,
-    n_boot: int = 2000,
     n_perm: int = 10000,
     seed: int = 0,
     alpha: float = 0.05,
-    confidence: float = 0.95,
+    n_boot: int | None = None,
 ) -> dict[str, Any]:
-    """Pair two ``posttrain eval`` results by item id and test every change. See the module docstring.
+    """Pair two ``posttrain eval`` results by item id and content, and test every change. See the module docstring.
+
+    ``n_boot`` is ignored (intervals now invert the permutation test); it is accepted so that callers
+    written for the bootstrap interval keep working. Raises ``IncomparableResults`` when no item pairs.
 
     Returns ``{"composite": {...}, "groups": {g: {...}}, "tiers": {...}, "paired": n, "only_in_base": [...],
-    "only_in_new": [...], "weights": {...}, "alpha": alpha, "summary": [plain-language lines]}``, where each
-    ``{...}`` has ``base, new, delta, ci_low, ci_high, p_value, significant`` (and ``p_holm`` for groups/tiers).
+    "only_in_new": [...], "changed_content": [...], "checked_by": ..., "weights": {...}, "alpha": alpha,
+    "summary": [plain-language lines]}``, where each ``{...}`` (``_block``) has ``base, new, delta, ci_low,
+    ci_high, confidence, p_value, p_adjusted, family_size, level, significant, too_few_items, exact, n,
+    n_changed, items_needed, warnings``.
     """
+    del n_boot
+    pairing = pair_results(base["items"], new["items"])
     rng = np.random.default_rng(seed)
-    base_items = {item["id"]: item for item in base["items"]}
-    new_items = {item["id"]: item for item in new["items"]}
-    common = [i for i in base_items if i in new_items]
-    if not common:
-        raise ValueError("the two results share no item ids: nothing to compare (were they run on the same suite?)")
-    pairs = [(base_items[i], new_items[i]) for i in common]
+    base_scores = np.array([float(b["score"]) for b, _ in pairing.pairs])
+    new_scores = np.array([float(n["score"]) for _, n in pairing.pairs])
+    diffs = new_scores - base_scores
+    labels = {key: np.array([_label(b, key) for b, _ in pairing.pairs]) for key in ("group", "tier")}
 
-    def strata(key: str) -> dict[str, np.ndarray]:
-        out: dict[str, list[float]] = defaultdict(list)
-        for b, n in pairs:
-            label = _tier_key(b.get("tier")) if key == "tier" else str(b.get("group") or "default")
-            out[label].append(float(n["score"]) - float(b["score"]))
-        return {k: np.asarray(v) for k, v in sorted(out.items())}
+    def test(coefficients: np.ndarray, level: float) -> SignFlipResult:
+        signs, exact = sign_flips(int(np.count_nonzero(coefficients > 0)), n_perm, rng)
+        return sign_flip_test(diffs, coefficients, level, signs, exact)
 
-    def mean_score(which: int, key: str, label: str) -> float:
-        chosen = [p[which]["score"] for p in pairs
-                  if (_tier_key(p[0].get("tier")) if key == "tier" else str(p[0].get("group") or "default")) == label]
-        return float(np.mean(chosen) * 100)
-
-    group_diffs, tier_diffs = strata("group"), strata("tier")
-    weights = effective_weights(list(group_diffs), base.get("weights") or new.get("weights"))
-    result: dict[str, Any] = {"paired": len(common), "alpha": alpha, "weights": weights,
-                              "only_in_base": sorted(set(base_items) - set(new_items)),
-                              "only_in_new": sorted(set(new_items) - set(base_items))}
-    composite = _paired_test(group_diffs, weights, n_boot, n_perm, rng, confidence)
-    composite["base"] = sum(weights[g] * mean_score(0, "group", g) for g in group_diffs)
-    composite["new"] = sum(weights[g] * mean_score(1, "group", g) for g in group_diffs)
-    composite["significant"] = composite["p_value"] < alpha
-    result["composite"] = composite
-    for key, diffs in (("groups", group_diffs), ("tiers", tier_diffs)):
+    groups = sorted(set(labels["group"]))
+    weights = effective_weights(groups, base.get("weights") or new.get("weights"))
+    # Composite: c_i = 100 w_g / n_g, so sum_i c_i d_i = sum_g w_g * 100 * mean(d in g).
+    per_item = np.array([weights[g] for g in labels["group"]]) / np.array(
+        [np.count_nonzero(labels["group"] == g) for g in labels["group"]]) * 100.0
+    composite = _block(test(per_item, alpha), float(per_item @ base_scores), float(per_item @ new_scores), 1)
+    result: dict[str, Any] = {
+        "paired": len(pairing.pairs), "alpha": alpha, "weights": weights, "composite": composite,
+        "only_in_base": pairing.only_in_base, "only_in_new": pairing.only_in_new,
+        "changed_content": pairing.changed, "checked_by": pairing.checked_by,
+    }
+    for key, plural in (("group", "groups"), ("tier", "tiers")):
+        members = sorted(set(labels[key]))
         family = {}
-        for label, d in diffs.items():
-            test = _paired_test({label: d}, {label: 1.0}, n_boot, n_perm, rng, confidence)
-            test["base"] = mean_score(0, key[:-1], label)
-            test["new"] = mean_score(1, key[:-1], label)
-            test["n"] = int(d.size)
-            family[label] = test
-        adjusted = holm_adjust({label: t["p_value"] for label, t in family.items()})
-        for label, test in family.items():
-            test["p_holm"] = adjusted[label]
-            test["significant"] = adjusted[label] < alpha
-        result[key] = family
-    result["summary"] = summarize_comparison(result)
+        for label in members:  # Bonferroni: each of the m members is tested, and its interval built, at alpha / m
+            inside = labels[key] == label
+            coefficients = np.where(inside, 100.0 / np.count_nonzero(inside), 0.0)
+            family[label] = _block(test(coefficients, alpha / len(members)), float(base_scores[inside].mean() * 100),
+                                   float(new_scores[inside].mean() * 100), len(members))
+        result[plural] = family
+    result["summary"] = summarize_comparison(result) + pairing.notes
     return result
 
 
-def _describe(name: str, test: dict, alpha: float, adjusted: bool) -> str:
-    p = test.get("p_holm", test["p_value"]) if adjusted else test["p_value"]
-    numbers = (f"{test['base']:.1f} -> {test['new']:.1f} ({test['delta']:+.1f} points, 95% CI "
-               f"[{test['ci_low']:+.1f}, {test['ci_high']:+.1f}], p={p:.4f}{' Holm-adjusted' if adjusted else ''})")
+def _points(value: float) -> str:
+    """A delta or interval end in points; never prints a nonzero end as 0.0, so the sign stays readable."""
+    text = f"{value:+.1f}"
+    if value != 0 and float(text) == 0:
+        text = f"{value:+.2g}"
+    return "0.0" if value == 0 else text
+
+
+def _describe(name: str, test: dict, alpha: float, family: str) -> str:
+    m = test["family_size"]
+    if m > 1:
+        interval = f"{1 - alpha:.0%} simultaneous CI over {m} {family}"
+        p = f"p={test['p_adjusted']:.4f} Bonferroni-adjusted"
+    else:
+        interval, p = f"{test['confidence']:.0%} CI", f"p={test['p_value']:.4f}"
+    numbers = (f"{test['base']:.1f} -> {test['new']:.1f} ({_points(test['delta'])} points, {interval} "
+               f"[{_points(test['ci_low'])}, {_points(test['ci_high'])}], {p})")
     if test["significant"]:
         direction = "a significant improvement" if test["delta"] > 0 else "a significant regression"
         verdict = f"{direction} at the {alpha:g} level"
-    elif test["delta"] == 0 and test["ci_low"] == 0 == test["ci_high"]:
+    elif test["n_changed"] == 0:
         verdict = "no change on any item"
+    elif test["too_few_items"]:
+        changed = f"{test['n_changed']} item{'s' if test['n_changed'] != 1 else ''} changed"
+        level = f"{alpha:g} / {m} {family}" if m > 1 else f"{alpha:g}"
+        verdict = (f"too few items to tell: {changed}; at the {level} level at least {test['items_needed']} "
+                   "items must change before any outcome can be significant")
     else:
         verdict = "not significant: consistent with no change"
-    return f"{name}: {numbers}: {verdict}."
+    warnings = "".join(f" Warning: {warning}." for warning in test["warnings"])
+    return f"{name}: {numbers}: {verdict}.{warnings}"
 
 
 def summarize_comparison(result: dict) -> list[str]:
-    """Plain-language lines: the composite first, then every group and tier."""
+    """Plain-language lines: the composite first, then every group and tier, then what they add up to."""
     alpha = result["alpha"]
-    lines = [_describe("composite index", result["composite"], alpha, adjusted=False)]
-    lines += [_describe(f"group {g}", t, alpha, adjusted=True) for g, t in result["groups"].items()]
-    lines += [_describe(f"tier {k}", t, alpha, adjusted=True) for k, t in result["tiers"].items()]
-    significant = [g for g, t in result["groups"].items() if t["significant"]]
-    if result["composite"]["significant"] or significant:
-        lines.append("Significant changes: " + ", ".join(
-            (["composite index"] if result["composite"]["significant"] else []) + [f"group {g}" for g in significant]
-        ) + ".")
+    lines = [_describe("composite index", result["composite"], alpha, "")]
+    lines += [_describe(f"group {g}", t, alpha, "groups") for g, t in result["groups"].items()]
+    lines += [_describe(f"tier {k}", t, alpha, "tiers") for k, t in result["tiers"].items()]
+    named = [("composite index", result["composite"])] + [(f"group {g}", t) for g, t in result["groups"].items()]
+    named += [(f"tier {k}", t) for k, t in result["tiers"].items()]
+    significant = [name for name, t in named if t["significant"] and not name.startswith("tier")]
+    if significant:
+        lines.append("Significant changes: " + ", ".join(significant) + ".")
     else:
         lines.append("No change is statistically significant; differences of this size can arise from item sampling alone.")
-    dropped = len(result["only_in_base"]) + len(result["only_in_new"])
-    if dropped:
-        lines.append(f"Compared {result['paired']} items present in both runs; {len(result['only_in_base'])} only in "
-                     f"BASE and {len(result['only_in_new'])} only in NEW were left out of the comparison.")
+    too_few = [name for name, t in named if t["too_few_items"] and t["n_changed"]]
+    if too_few:
+        lines.append("Too few items to tell: " + ", ".join(too_few) + " (more items are needed before a verdict).")
     return lines

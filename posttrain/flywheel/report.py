@@ -16,6 +16,18 @@ from typing import Any
 from posttrain.data.io import read_jsonl
 
 MODELS = ("base", "sft", "dpo")
+# How to read the comparison lines under the score table (the same rules as `posttrain eval compare`).
+READING_THE_VERDICTS = (
+    "How to read these lines: each change comes with the confidence interval that inverts its own paired "
+    "permutation test, so an interval that excludes 0 is always called significant and one that includes 0 "
+    "never is. The composite index is the one primary test (95% CI, raw p). Group and tier intervals are "
+    "simultaneous: each is built at 1 - 0.05/m for the m groups (or tiers), so together they hold with 95% "
+    "confidence, next to Bonferroni-adjusted p-values. \"Too few items to tell\" means so few items changed "
+    "that no outcome could have been significant: more items are needed, not a better model. A warning marks "
+    "an interval from one item or of zero width (every item changed alike). The bars in the score chart are "
+    "each model's own score with a bootstrap CI; judge a change by its paired interval here, not by whether "
+    "two bars overlap."
+)
 COLORS = {"base": "#9aa5b1", "sft": "#3d7ddb", "dpo": "#e0662b"}
 
 
@@ -160,6 +172,7 @@ def build_report(run_dir: Path, config: Any, timings: dict[str, float]) -> dict[
     for name, comparison in data["comparisons"].items():
         summary += [f"{name}: {line}" for line in comparison.get("summary", [])]
     data["summary"] = summary
+    data["reading_the_verdicts"] = READING_THE_VERDICTS
     parts = []
     for index, (name, fig) in enumerate(_figures(data)):
         fig.update_layout(template="plotly_white", height=420, margin={"t": 60, "b": 40})
@@ -179,6 +192,7 @@ small{{color:#777}}#render-check{{color:#999;font-size:10px}}</style>
 <p>Run directory <code>{html.escape(str(run_dir))}</code>. Stage times: {html.escape(timing_html)}.</p>
 <h2>Score jump</h2>{_table(data)}
 <ul>{summary_html}</ul>
+<p id="reading-verdicts"><small>{html.escape(READING_THE_VERDICTS)}</small></p>
 {''.join(parts)}
 <pre id="render-check">pending</pre>
 {_CHECK_SCRIPT}

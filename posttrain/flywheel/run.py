@@ -115,7 +115,7 @@ def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> d
 
     comparisons = {}
     for base, new in (("base", "sft"), ("sft", "dpo"), ("base", "dpo")):
-        result = compare_results(load(base), load(new), n_boot=config.eval.n_boot, n_perm=config.eval.n_perm,
+        result = compare_results(load(base), load(new), n_perm=config.eval.n_perm,
                                  seed=config.seed)
         comparisons[f"{base}->{new}"] = result
     path = out / "comparisons.json"

@@ -176,6 +176,7 @@ def read_pairs(config, path: str, tokenizer, quarantine_suffix: str) -> PairData
         path, kind="preference", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
     )
     say(report.summary())
+    report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined
     data = tokenize_pairs(records, tokenizer, config.train.max_length, config.data.truncation_side, f"tokenize {path}")
     data.read, data.quarantined = report.read, report.quarantined
     say(
@@ -184,6 +185,11 @@ def read_pairs(config, path: str, tokenizer, quarantine_suffix: str) -> PairData
         + f"; {data.truncated} truncated to {config.train.max_length} tokens (prompt cut from the "
         f"{config.data.truncation_side})"
     )
+    if not data.pairs:
+        from posttrain.data.errors import DataError
+
+        raise DataError(path, None, None, f"no pair is usable after tokenisation at train.max_length="
+                        f"{config.train.max_length} ({dict(data.dropped)}); raise train.max_length")
     return data
 
 

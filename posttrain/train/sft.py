@@ -63,6 +63,7 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
     )
     say(report.summary())
+    report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined
     rows, tokens = tokenize_records(records, tokenizer, config.train.max_length, config.data.truncation_side,
                                     progress=dist.is_main())
     examples, dropped = [], Counter()
@@ -71,6 +72,10 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
             dropped["no assistant tokens left after truncation"] += 1
             continue
         examples.append(example)
+    if not examples:
+        raise DataError(path, None, None, f"no example has a trained token left after tokenisation at "
+                        f"train.max_length={config.train.max_length} ({dict(dropped)}); raise train.max_length or "
+                        f"check data.truncation_side={config.data.truncation_side}")
     extra_rows = tokens.examples - tokens.records
     say(
         f"{path}: {len(examples)} examples tokenized"

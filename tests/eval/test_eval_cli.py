@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,76 @@ def test_compare_rejects_non_results(tmp_path, capsys):
     bad.write_text('{"suite": "x"}')
     assert main(["eval", "compare", str(bad), str(bad)]) == 2
     assert "not a `posttrain eval` results file" in capsys.readouterr().err
+
+
+def _results_of(tmp_path, name: str, rows: list[dict], outputs: dict[str, str]) -> str:
+    """`posttrain eval --outputs` of ``outputs`` on a suite of ``rows``; returns the results path."""
+    suite = tmp_path / f"{name}.jsonl"
+    suite.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = tmp_path / f"{name}.json"
+    assert main(["eval", "--outputs", str(write_outputs(tmp_path / f"{name}-outputs.jsonl", outputs)), "--suite",
+                 str(suite), "-o", str(out), "--quiet", "--n-boot", "100"]) == 0
+    return str(out)
+
+
+def test_eval_results_store_a_content_hash_per_item(tmp_path):
+    rows = SUITE_ROWS[:3]
+    changed = [dict(rows[0]), dict(rows[1], answer="999"), dict(rows[2], prompt="What is 2 times 2?")]
+    answers = {r["id"]: r["answer"] for r in rows}
+    first = json.loads(Path(_results_of(tmp_path, "first", rows, answers)).read_text())["items"]
+    second = json.loads(Path(_results_of(tmp_path, "second", changed, answers)).read_text())["items"]
+    hashes = [(a["content_hash"], b["content_hash"]) for a, b in zip(first, second, strict=True)]
+    assert hashes[0][0] == hashes[0][1]  # same item, same hash
+    assert hashes[1][0] != hashes[1][1] and hashes[2][0] != hashes[2][1]  # another answer key / prompt
+
+
+def test_compare_refuses_two_suites_that_share_ids_but_not_questions(tmp_path, capsys):
+    # issue #11: same ids, other prompts and answer keys, compared as if equal (+8.3 points).
+    other = [dict(r, prompt=r["prompt"].replace("plus", "times"), answer=str(int(r["prompt"].split()[2]) *
+             int(r["prompt"].split()[4].rstrip("?")))) for r in SUITE_ROWS]
+    base = _results_of(tmp_path, "base", SUITE_ROWS, {r["id"]: "0" for r in SUITE_ROWS})
+    new = _results_of(tmp_path, "new", other, {r["id"]: r["answer"] for r in other})
+    capsys.readouterr()
+    assert main(["eval", "compare", base, new]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "differ in prompt, tests or answer" in err and "Traceback" not in err
+    # Two of the 30 changed: those are reported and left out; the other 28 are compared.
+    mixed = SUITE_ROWS[:28] + other[28:]
+    new = _results_of(tmp_path, "mixed", mixed, {r["id"]: r["answer"] for r in mixed})
+    capsys.readouterr()
+    assert main(["eval", "compare", base, new, "--n-perm", "500"]) == 0
+    printed = capsys.readouterr().out
+    assert "2 items share an id but differ in prompt, tests or answer" in printed
+    assert f"{other[28]['id']}, {other[29]['id']}" in printed
+
+
+def test_compare_with_no_shared_ids_is_one_line_and_exit_2(tmp_path, capsys):
+    base = tmp_path / "a.json"
+    base.write_text(json.dumps({"suite": "s", "items": [{"id": "a", "group": "g", "score": 1.0}]}))
+    new = tmp_path / "b.json"
+    new.write_text(json.dumps({"suite": "s", "items": [{"id": "b", "group": "g", "score": 0.0}]}))
+    assert main(["eval", "compare", str(base), str(new)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "posttrain eval: the two results share no item ids, so there is nothing to compare (were they " \
+                  "run on the same suite?)"
+
+
+def test_compare_names_the_position_of_broken_json(tmp_path, capsys):
+    bad = tmp_path / "cut.json"
+    bad.write_text('{"suite": "s",\n "items": [{"id": "a", "sco')
+    assert main(["eval", "compare", str(bad), str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:2: malformed JSON: an unterminated string: the text ends before the JSON is complete, at column 28" \
+        in err
+    assert "the string starts at column 24" in err
+    scored = tmp_path / "scored.json"
+    scored.write_text(json.dumps({"suite": "s", "items": [{"id": "a", "group": "g", "score": "abc"}]}))
+    assert main(["eval", "compare", str(scored), str(scored)]) == 2
+    assert "items[0]: `score` must be a number in [0, 1], got 'abc'" in capsys.readouterr().err
+
+
+def test_eval_refuses_several_samples_per_item(tmp_path, tiny_model_dir, capsys):
+    suite = tmp_path / "s.jsonl"
+    suite.write_text(json.dumps(SUITE_ROWS[0]) + "\n")
+    assert main(["eval", "--model", tiny_model_dir, "--suite", str(suite), "--n", "2", "--quiet"]) == 2
+    assert "--n must be 1 (got 2)" in capsys.readouterr().err

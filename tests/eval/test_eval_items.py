@@ -86,3 +86,11 @@ def test_from_rl_prompt_and_prompt_forms():
     assert item.id == record.id and item.verifier == "numeric" and item.group == "reasoning"
     assert item.prompt_messages()[0].content == "What is 2+2?"
     assert EvalItem(**GOOD).prompt_messages() == [Message(role="user", content="What is 2+2?")]
+
+
+def test_a_broken_json_suite_names_line_and_column(tmp_path):
+    path = tmp_path / "suite.json"
+    path.write_text('{"name": "s",\n "items": [{"id": "a", "prompt": "q" "verifier": "exact"}]}')
+    with pytest.raises(DataError) as caught:
+        load_suite(path)
+    assert caught.value.line == 2 and "Expecting ',' delimiter (column 38)" in caught.value.reason
