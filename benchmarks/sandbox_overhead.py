@@ -3,8 +3,10 @@
 
 A suite's eval runs hundreds of code items, so the fixed cost of building the jail and starting the
 interpreter is what this measures: the solution and tests are trivial. Printed: one JSON line with the
-median and mean seconds per item (sequential), items per second with ``--workers`` threads, and the
-1-minute load average before and after (the machine may be shared; re-run on a quiet one before quoting):
+median and mean wall seconds per item (sequential), the CPU seconds per item of all the processes a run
+starts (less sensitive than wall time to other jobs on a shared machine), items per second with
+``--workers`` threads, and the 1-minute load average before and after (re-run on a quiet machine before
+quoting a wall-clock figure):
 
     .venv/bin/python benchmarks/sandbox_overhead.py            # defaults: --items 40 --workers 2
 """
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -37,6 +40,11 @@ def one_item() -> float:
     return elapsed
 
 
+def _children_cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)  # every reaped descendant: jail, runner, solution
+    return usage.ru_utime + usage.ru_stime
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--items", type=int, default=40)
@@ -47,7 +55,9 @@ def main() -> None:
         raise SystemExit(f"the sandbox does not work here: {how}")
     load_before = os.getloadavg()[0]
     one_item()  # warm the file cache
+    cpu_before = _children_cpu_s()
     times = [one_item() for _ in range(args.items)]
+    cpu_per_item = (_children_cpu_s() - cpu_before) / args.items
     start = time.perf_counter()
     with ThreadPoolExecutor(max_workers=args.workers) as pool:
         list(pool.map(lambda _: one_item(), range(args.items)))
@@ -57,6 +67,7 @@ def main() -> None:
         "items": args.items,
         "median_s_per_item": round(statistics.median(times), 4),
         "mean_s_per_item": round(statistics.fmean(times), 4),
+        "cpu_s_per_item": round(cpu_per_item, 4),
         "workers": args.workers,
         "items_per_s_with_workers": round(args.items / batch_s, 2),
         "sandbox": how,

@@ -11,7 +11,7 @@ limits (inherited by everything started after), write the files into the work di
 
 - ``program``: fork, exec ``python -I -B main.py`` with a scrubbed environment, report its exit status.
 - ``tests``: this process is the **test process**. It forks the **solution process** (``solution`` role
-  below: a fresh interpreter that runs ``main.py``, then serves the tests' calls over a socket, see
+  below: a fresh interpreter that runs ``main.py``, then serves the tests' calls over a pair of pipes, see
   ``sandbox_wire.py``), runs the tests with the solution's names bound to references, and reports the
   verdict with the nonce: passed only when the tests ran to their end. The tests never touch the disk and
   never exist in the solution's memory: they arrive here on SPEC_FD, which is closed before the fork, and
@@ -21,14 +21,9 @@ limits (inherited by everything started after), write the files into the work di
 from __future__ import annotations
 
 import builtins
-import importlib
 import json
 import os
-import resource
-import signal
-import socket
 import sys
-import types
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from sandbox_wire import (  # noqa: E402 - the runner's own directory, added just above
@@ -38,6 +33,9 @@ from sandbox_wire import (  # noqa: E402 - the runner's own directory, added jus
     describe_exception,
 )
 
+# Imports are a large share of a short run: no signal, socket, types or importlib here (enum, selectors).
+CodeType, ModuleType = type(compile("", "", "exec")), type(sys)
+SIGKILL, SIGNAL_NAMES = 9, {6: "SIGABRT", 9: "SIGKILL", 11: "SIGSEGV", 15: "SIGTERM", 24: "SIGXCPU", 25: "SIGXFSZ"}
 SETUP_ERROR_EXIT = 125
 SETUP_ERROR_PREFIX = "posttrain-sandbox-setup:"
 PR_SET_DUMPABLE = 4
@@ -50,15 +48,18 @@ NEVER_IMPORT = {"antigravity", "this", "idlelib", "turtledemo", "tkinter", "turt
 def _setup(spec: dict) -> None:
     """Runs before anything untrusted: uid, non-dumpable, limits, work dir. Order matters: RLIMIT_NPROC is
     charged to the uid, so the uid changes first."""
-    import ctypes  # here, not at the top: the solution process never needs it
+    import resource
 
     if spec.get("uid") is not None:
         os.setgroups([])
         os.setgid(spec["uid"])
         os.setuid(spec["uid"])
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-        raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
+    if os.stat("/proc/self").st_uid == os.getuid():  # still dumpable (a uid change already clears it)
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE, 0)")
     limits = spec["limits"]
     resource.setrlimit(resource.RLIMIT_CPU, (limits["cpu_s"], limits["cpu_s"] + 1))
     for kind, value in ((resource.RLIMIT_AS, limits["memory_bytes"]), (resource.RLIMIT_NPROC, limits["max_processes"]),
@@ -77,14 +78,14 @@ def _setup(spec: dict) -> None:
             handle.write(content)
 
 
-def _start(spec: dict, argv: list[str], keep_fd: int | None = None) -> int:
-    """Fork and exec ``python argv`` with the run's environment; the child keeps only ``keep_fd`` beyond
+def _start(spec: dict, argv: list[str], keep_fds: tuple[int, ...] = ()) -> int:
+    """Fork and exec ``python argv`` with the run's environment; the child keeps only ``keep_fds`` beyond
     stdin/stdout/stderr (everything else this process opened is close-on-exec)."""
     pid = os.fork()
     if pid == 0:
         try:
-            if keep_fd is not None:
-                os.set_inheritable(keep_fd, True)
+            for fd in keep_fds:
+                os.set_inheritable(fd, True)
             os.execve(sys.executable, [sys.executable, *argv], spec["env"])
         except BaseException as exc:  # noqa: BLE001 - nothing may escape a forked child
             os.write(2, f"{SETUP_ERROR_PREFIX} exec failed: {exc}\n".encode())
@@ -108,11 +109,13 @@ def run_tests(spec: dict) -> dict:
         code = compile(spec["tests"], TESTS_FILENAME, "exec")
     except SyntaxError as exc:
         return _verdict(spec, False, f"the tests do not compile: {exc}", "SyntaxError")
-    ours, theirs = socket.socketpair()
-    solution = _start(spec, ["-I", "-B", os.path.abspath(__file__), "solution", str(theirs.fileno())],
-                      keep_fd=theirs.fileno())
-    theirs.close()
-    channel = Channel(ours, tests_side=True)
+    from_tests, to_solution = os.pipe()  # (read end, write end)
+    from_solution, to_tests = os.pipe()
+    solution = _start(spec, ["-I", "-B", os.path.abspath(__file__), "solution", str(from_tests), str(to_tests)],
+                      keep_fds=(from_tests, to_tests))
+    os.close(from_tests)
+    os.close(to_tests)
+    channel = Channel(from_solution, to_solution, tests_side=True)
     solution_status = None
     try:
         namespace = _namespace(channel, channel.receive(), code)
@@ -143,7 +146,7 @@ class _LoadFailed(Exception):
         self.kind = kind
 
 
-def _namespace(channel: Channel, hello: dict, code: types.CodeType) -> dict:
+def _namespace(channel: Channel, hello: dict, code: CodeType) -> dict:
     """The tests' globals: the solution's names as references (or data), except names of builtins, which
     stay the real builtins (a solution's ``all = lambda *a: True`` must not judge the tests)."""
     body = hello.get("hello")
@@ -166,7 +169,8 @@ def _namespace(channel: Channel, hello: dict, code: types.CodeType) -> dict:
             if (name in referenced and type(module) is str and module.partition(".")[0] in sys.stdlib_module_names
                     and module.partition(".")[0] not in NEVER_IMPORT):
                 try:
-                    namespace[name] = importlib.import_module(module)
+                    __import__(module)
+                    namespace[name] = sys.modules[module]
                 except Exception:  # noqa: BLE001 - the tests will see a NameError if they needed it
                     pass
             continue
@@ -174,12 +178,12 @@ def _namespace(channel: Channel, hello: dict, code: types.CodeType) -> dict:
     return namespace
 
 
-def _names_in(code: types.CodeType) -> set[str]:
+def _names_in(code: CodeType) -> set[str]:
     names, stack = set(), [code]
     while stack:
         current = stack.pop()
         names.update(current.co_names)
-        stack.extend(const for const in current.co_consts if isinstance(const, types.CodeType))
+        stack.extend(const for const in current.co_consts if isinstance(const, CodeType))
     return names
 
 
@@ -199,10 +203,7 @@ def _describe_failure(exc: BaseException) -> str:
 
 
 def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
+    return SIGNAL_NAMES.get(number, f"signal {number}")
 
 
 def _verdict(spec: dict, passed: bool, failure: str, failure_type: str) -> dict:
@@ -212,7 +213,7 @@ def _verdict(spec: dict, passed: bool, failure: str, failure_type: str) -> dict:
 def _reap(pid: int, wait: bool) -> dict:
     if not wait:
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(pid, SIGKILL)
         except ProcessLookupError:
             pass
     try:
@@ -222,11 +223,11 @@ def _reap(pid: int, wait: bool) -> dict:
     return _exit_status(status)
 
 
-def serve_solution(fd: int) -> int:
+def serve_solution(read_fd: int, write_fd: int) -> int:
     """The solution process: run ``main.py``, introduce its names, then answer the tests' requests until
     the test process closes the channel."""
     sys.set_int_max_str_digits(0)
-    channel = Channel(socket.socket(fileno=fd), tests_side=False)
+    channel = Channel(read_fd, write_fd, tests_side=False)
     path = os.path.abspath("main.py")
     namespace = {"__name__": "__main__", "__file__": path, "__builtins__": builtins}
     try:
@@ -253,7 +254,7 @@ def _describe_globals(channel: Channel, namespace: dict) -> dict:
     for name, value in list(namespace.items()):
         if type(name) is not str or name.startswith("__"):
             continue
-        if type(value) is types.ModuleType and type(getattr(value, "__name__", None)) is str:
+        if type(value) is ModuleType and type(getattr(value, "__name__", None)) is str:
             described[name] = {"module": value.__name__}
             continue
         try:
@@ -273,7 +274,7 @@ def _flush() -> None:
 
 def main(argv: list[str]) -> int:
     if argv[1] == "solution":
-        return serve_solution(int(argv[2]))
+        return serve_solution(int(argv[2]), int(argv[3]))
     spec_fd, status_fd = int(argv[2]), int(argv[3])
     with os.fdopen(spec_fd, "rb") as handle:
         spec = json.loads(handle.read())
