@@ -18,7 +18,8 @@ The seccomp filter answers EPERM to: new namespaces (``unshare``, ``setns``, ``c
 ``CLONE_NEW*`` flag; ``clone3``, whose flags a filter cannot read, gets ENOSYS so libc falls back to
 ``clone``), mounts, ``ptrace`` and ``process_vm_readv/writev`` (the test process's memory stays its own),
 keyrings, ``bpf``, ``perf_event_open``, ``userfaultfd`` and ``io_uring`` (kernel attack surface no
-Python program needs). Another architecture's syscalls (x32, i386) kill the process.
+Python program needs), ``shmget`` and ``memfd_create`` (memory outside the address-space limit). Another
+architecture's syscalls (x32, i386) kill the process.
 """
 
 from __future__ import annotations
@@ -195,6 +196,9 @@ _DENIED = {
     "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "io_uring_setup": (425, 425),
     "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    # Memory that outlives its mappings escapes RLIMIT_AS: SysV shared memory stays until the IPC namespace
+    # dies; a memfd holds up to max_file_mb per descriptor.
+    "shmget": (29, 194), "memfd_create": (319, 279), "memfd_secret": (447, 447),
 }
 _CLONE = (56, 220)
 _CLONE3 = (435, 435)

@@ -159,6 +159,27 @@ def test_new_namespaces_are_denied():
     assert len(report) == 4
 
 
+OUTSIDE_RLIMIT_AS = textwrap.dedent("""
+    import ctypes, json, os
+    libc = ctypes.CDLL(None, use_errno=True)
+    segment = libc.shmget(0, 1 << 20, 0o1000 | 0o600)  # IPC_PRIVATE, IPC_CREAT
+    outcome = {"shmget": segment if segment != -1 else -ctypes.get_errno()}
+    try:
+        os.memfd_create("hoard")
+        outcome["memfd_create"] = "created"
+    except OSError as exc:
+        outcome["memfd_create"] = -exc.errno
+    print(json.dumps(outcome))
+""")
+
+
+@needs_sandbox
+def test_memory_that_outlives_its_mappings_is_refused():
+    import errno
+
+    assert _run_json(OUTSIDE_RLIMIT_AS) == {"shmget": -errno.EPERM, "memfd_create": -errno.EPERM}
+
+
 DISK = textwrap.dedent("""
     import json, os
     chunk = b"x" * (15 * 1024 * 1024)
