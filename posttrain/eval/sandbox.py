@@ -39,12 +39,13 @@ from functools import lru_cache
 from pathlib import Path
 
 from posttrain.eval.sandbox_jail import (
-    HERE,
     RUNNER_DIR,
     TMPDIR,
     WORKDIR,
     bwrap_command,
     jail_layout,
+    runner_command,
+    runner_dir,
     seccomp_program,
     seccomp_supported,
 )
@@ -284,8 +285,8 @@ def _run(job: dict, limits: SandboxLimits, isolated: bool) -> SandboxResult:
         status_fd = _memfd("status", b"", opened)
         stdout_fd, stdout_writer = _output(opened)
         stderr_fd, stderr_writer = _output(opened)
-        runner = f"{RUNNER_DIR}/sandbox_runner.py" if isolated else str(HERE / "sandbox_runner.py")
-        command = [layout.python, "-I", "-S", "-B", runner, "supervise", str(spec_fd), str(status_fd)]
+        runner = runner_command(layout.python, RUNNER_DIR if isolated else runner_dir())
+        command = [*runner, "supervise", str(spec_fd), str(status_fd)]
         child_only = [stdout_writer, stderr_writer]
         info_fd = None
         if isolated:

@@ -1,6 +1,6 @@
 """Inside the sandbox: set the process up, then run a program, or a code item's solution and its tests.
 
-Started by ``posttrain.eval.sandbox`` as ``python -I -S -B sandbox_runner.py supervise SPEC_FD STATUS_FD``
+Started by ``posttrain.eval.sandbox`` as ``python -I -S -B -c "import sandbox_runner; ..." supervise SPEC_FD STATUS_FD``
 (inside bubblewrap, or directly when unsandboxed code was allowed). Standard library only. The spec (JSON on
 SPEC_FD) carries the mode, the files, the tests, the limits and a per-run nonce; STATUS_FD is where the
 verdict goes, and only this process ever holds it (it is not inherited by anything it starts).
@@ -25,8 +25,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from sandbox_wire import (  # noqa: E402 - the runner's own directory, added just above
+from sandbox_wire import (  # the runner's own directory is on sys.path (runner_command)
     Channel,
     PeerGone,
     ProtocolError,
@@ -111,7 +110,9 @@ def run_tests(spec: dict) -> dict:
         return _verdict(spec, False, f"the tests do not compile: {exc}", "SyntaxError")
     from_tests, to_solution = os.pipe()  # (read end, write end)
     from_solution, to_tests = os.pipe()
-    solution = _start(spec, ["-I", "-B", os.path.abspath(__file__), "solution", str(from_tests), str(to_tests)],
+    here = os.path.dirname(os.path.abspath(__file__))
+    entry = f"import sys; sys.path.insert(0, {here!r}); import sandbox_runner; sys.exit(sandbox_runner.main(sys.argv))"
+    solution = _start(spec, ["-I", "-B", "-c", entry, "solution", str(from_tests), str(to_tests)],
                       keep_fds=(from_tests, to_tests))
     os.close(from_tests)
     os.close(to_tests)
