@@ -25,12 +25,10 @@ import json
 import os
 import sys
 
-from sandbox_wire import (  # the runner's own directory is on sys.path (runner_command)
-    Channel,
-    PeerGone,
-    ProtocolError,
-    describe_exception,
-)
+if __package__:  # imported as posttrain.eval.sandbox_runner (tools, tests)
+    from .sandbox_wire import Channel, PeerGone, ProtocolError, describe_exception
+else:  # inside the jail: the runner's own directory is on sys.path (sandbox_jail.runner_command)
+    from sandbox_wire import Channel, PeerGone, ProtocolError, describe_exception
 
 # Imports are a large share of a short run: no signal, socket, types or importlib here (enum, selectors).
 CodeType, ModuleType = type(compile("", "", "exec")), type(sys)
