@@ -1,16 +1,16 @@
 """Run untrusted Python in a jail: a program (:func:`run_python`), or a code item's solution and its tests
 (:func:`run_tests`, what the ``code`` verifier uses).
 
-The jail is bubblewrap (``sandbox_jail.py`` says why, and what it holds): new network (no interface up, not
-even loopback), PID, IPC, UTS and cgroup namespaces; an empty root with only the interpreter, its standard
+The jail is bubblewrap (``sandbox_jail.py`` says why, and what it holds): new network (only the jail's own
+loopback), PID, IPC, UTS and cgroup namespaces; an empty root with only the interpreter, its standard
 library and its shared libraries, read-only; a private /work (work dir, HOME, and /tmp through a symlink)
 on a tmpfs of ``disk_mb``; a seccomp filter that refuses new namespaces, mounts, ptrace and other kernel
 surface; as root, a fresh uid no other process uses. Inside, ``sandbox_runner.py`` sets resource limits
 (CPU seconds, address space, processes, file size, open files, no core dumps) and runs the code. Everything
-it started dies with the jail's PID namespace; a sweep by uid double-checks.
+it started dies with the jail's PID namespace (after a kill on timeout, a sweep by uid double-checks).
 
 A code item is judged by a **test process** that never shares memory with the **solution process** (see
-``sandbox_runner.py`` and ``sandbox_wire.py``): the tests call the solution through a socket and values
+``sandbox_runner.py`` and ``sandbox_wire.py``): the tests call the solution through a pipe pair and values
 cross as data, so exiting early, hooking the exit, monkeypatching the runner or the builtins, or writing a
 fake "passed" anywhere cannot pass an item. Only the test process writes the verdict, with a per-run
 nonce, on a descriptor only it holds; ``status == "ok"`` means the tests ran to their end.
