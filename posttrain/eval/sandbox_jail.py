@@ -10,7 +10,7 @@ over the host's whole file system, which is what let sandboxed code read every w
 The view, all read-only except /work: the interpreter binary; the directories of the shared libraries it
 and its standard library's extension modules load (as ``/proc/self/maps`` of a probe reports them), which
 includes the standard library itself, with ``site-packages`` covered by an empty directory; the symlinks on
-the way to them (``/lib64 -> usr/lib64``, ...); the two runner files at /runner; a
+the way to them (``/lib64 -> usr/lib64``, ...); the runner's two files and their bytecode at /runner; a
 private /proc and a minimal /dev; /work, a tmpfs of ``disk_mb`` that is the work dir, HOME and (through the
 ``/tmp`` symlink) TMPDIR. Nothing of the host's /tmp, /home, /etc, the project or its data.
 
