@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray
 
-.PHONY: demo test lint bench clean chromium
+.PHONY: demo test lint bench clean chromium bubblewrap
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,11 @@ demo: $(BIN)/.installed
 chromium:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
 
-test: $(BIN)/.installed chromium
+# The code verifier's sandbox is Debian's bubblewrap (bwrap); its tests need it.
+bubblewrap:
+	@command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null)
+
+test: $(BIN)/.installed chromium bubblewrap
 	$(BIN)/python -m pytest -q tests
 
 lint: $(BIN)/.installed

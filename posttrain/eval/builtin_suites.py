@@ -7,6 +7,12 @@ from __future__ import annotations
 
 from posttrain.eval.items import Suite, register_suite
 
+
+def _strict(call: str, expected: str) -> str:
+    """A test line that checks the type as well as the value: ``==`` alone lets an object whose ``__eq__``
+    always says yes pass (docs/security.md, "Writing tests")."""
+    return f"got, want = {call}, {expected}\nassert type(got) is type(want) and got == want, (got, want)\n"
+
 _ITEMS = [
     {"id": "smoke-add", "prompt": "What is 12 plus 30? Reply with the number only.", "verifier": "numeric",
      "answer": "42", "group": "reasoning", "tier": 1},
@@ -33,9 +39,9 @@ _ITEMS = [
                                                                           "words": ["posttrain"]}]},
      "group": "instruction_following", "tier": 3},
     {"id": "smoke-code-add", "prompt": "Write a Python function add(a, b) that returns a + b.", "verifier": "code",
-     "tests": "assert add(2, 3) == 5\nassert add(-1, 1) == 0", "group": "code", "tier": 1},
+     "tests": _strict("add(2, 3)", "5") + _strict("add(-1, 1)", "0"), "group": "code", "tier": 1},
     {"id": "smoke-code-rev", "prompt": "Write a Python function rev(s) that reverses a string.", "verifier": "code",
-     "tests": "assert rev('abc') == 'cba'\nassert rev('') == ''", "group": "code", "tier": 2},
+     "tests": _strict("rev('abc')", "'cba'") + _strict("rev('')", "''"), "group": "code", "tier": 2},
 ]
 
 

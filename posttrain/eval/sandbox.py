@@ -1,23 +1,32 @@
-"""Run untrusted Python (model-written code plus a task's unit tests) in a jail.
+"""Run untrusted Python in a jail: a program (:func:`run_python`), or a code item's solution and its tests
+(:func:`run_tests`, what the ``code`` verifier uses).
 
-Each run gets: a separate process started in a new session; new network, mount, PID and IPC namespaces
-(no network; the file system read-only except a fresh temporary working directory; home directories
-hidden); an unprivileged uid no other process uses; limits on wall-clock time, CPU seconds, address space,
-processes, file size and open files; an environment with nothing inherited but a fixed PATH and LANG
-(HOME and TMPDIR point into the working directory). At the end every process the run started is killed:
-the PID namespace dies with its first process, and a sweep kills anything left with the run's uid or session.
+The jail is bubblewrap (``sandbox_jail.py`` says why, and what it holds): new network (only the jail's own
+loopback), PID, IPC, UTS and cgroup namespaces; an empty root with only the interpreter, its standard
+library and its shared libraries, read-only; a private /work (work dir, HOME, and /tmp through a symlink)
+on a tmpfs of ``disk_mb``; a seccomp filter that refuses new namespaces, mounts, ptrace and other kernel
+surface; as root, a fresh uid no other process uses. Inside, ``sandbox_runner.py`` sets resource limits
+(CPU seconds, address space, processes, file size, open files, no core dumps) and runs the code. Everything
+it started dies with the jail's PID namespace (after a kill on timeout, a sweep by uid double-checks).
 
-The jail is built by ``sandbox_launcher.py`` (see there for the exact steps). Where namespaces cannot be
-created, :func:`sandbox_support` says why and code runs are refused unless the caller passes
-``allow_unsandboxed=True`` (``eval.allow_unsandboxed_code``): then only the resource limits, the fresh
-directory, the scrubbed environment and the process-group kill apply — no network or file-system isolation.
+A code item is judged by a **test process** that never shares memory with the **solution process** (see
+``sandbox_runner.py`` and ``sandbox_wire.py``): the tests call the solution through a pipe pair and values
+cross as data, so exiting early, hooking the exit, monkeypatching the runner or the builtins, or writing a
+fake "passed" anywhere cannot pass an item. Only the test process writes the verdict, with a per-run
+nonce, on a descriptor only it holds; ``status == "ok"`` means the tests ran to their end.
+
+Without bubblewrap (or user namespaces, for a non-root user), :func:`sandbox_support` says why, and code is
+refused unless the caller passes ``allow_unsandboxed=True`` (``eval.allow_unsandboxed_code``): then only
+the resource limits, a fresh directory, the scrubbed environment and the two processes apply.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import secrets
+import select
 import shutil
 import signal
 import subprocess
@@ -29,12 +38,24 @@ from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-LAUNCHER = Path(__file__).with_name("sandbox_launcher.py")
+from posttrain.eval.sandbox_jail import (
+    RUNNER_DIR,
+    TMPDIR,
+    WORKDIR,
+    bwrap_command,
+    jail_layout,
+    runner_command,
+    runner_dir,
+    seccomp_program,
+    seccomp_supported,
+)
+
 SETUP_ERROR_EXIT = 125
 SETUP_ERROR_PREFIX = "posttrain-sandbox-setup:"
 SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 # First uid handed to sandboxed runs when posttrain runs as root; far above any uid a distribution assigns.
 SANDBOX_UID_BASE = 1_500_000_000
+MB = 1024 * 1024
 
 
 class SandboxUnavailable(RuntimeError):
@@ -48,28 +69,30 @@ class SandboxSetupError(RuntimeError):
 @dataclass
 class SandboxLimits:
     timeout_s: float = 10.0
-    cpu_s: int = 10
-    memory_mb: int = 1024
+    cpu_s: int = 10  # per process
+    memory_mb: int = 1024  # address space, per process
     max_processes: int = 32
-    max_file_mb: int = 16
+    max_file_mb: int = 16  # per file; also caps stdout and stderr
     max_open_files: int = 64
-    max_output_chars: int = 8000
+    max_output_chars: int = 8000  # of stdout/stderr kept in the result
+    disk_mb: int = 64  # everything written under /work and /tmp together (a tmpfs: it is memory)
 
     def spec(self) -> dict:
         return {
             "cpu_s": int(self.cpu_s),
-            "memory_bytes": int(self.memory_mb) * 1024 * 1024,
+            "memory_bytes": int(self.memory_mb) * MB,
             "max_processes": int(self.max_processes),
-            "max_file_bytes": int(self.max_file_mb) * 1024 * 1024,
+            "max_file_bytes": int(self.max_file_mb) * MB,
             "max_open_files": int(self.max_open_files),
         }
 
 
 @dataclass
 class SandboxResult:
-    """``status``: ok | error (non-zero exit) | timeout (wall clock) | cpu_limit | memory | output_limit |
-    blocked (the jail refused an operation: network, write outside the directory, too many processes) |
-    killed (by another signal)."""
+    """``status``: ok (a program exited 0; a code item's tests ran to their end and held) | error (non-zero
+    exit; a test failed) | timeout (wall clock) | cpu_limit | memory | output_limit | blocked (the jail
+    refused an operation: network, a write outside /work, too many processes) | killed (another signal).
+    ``failure`` says why a code item's tests did not pass, as the test process saw it."""
 
     status: str
     exit_code: int | None
@@ -79,6 +102,7 @@ class SandboxResult:
     duration_s: float
     isolated: bool
     notes: list[str] = field(default_factory=list)
+    failure: str = ""
 
     @property
     def ok(self) -> bool:
@@ -92,6 +116,7 @@ _BLOCKED_MARKERS = (
     "Read-only file system",
     "Permission denied",
     "Network is unreachable",
+    "Connection refused",  # the jail's own loopback has nothing listening but what the code itself opened
     "Operation not permitted",
     "Resource temporarily unavailable",
     "BlockingIOError",
@@ -101,42 +126,29 @@ _BLOCKED_MARKERS = (
 )
 
 
-def _scrubbed_env(workdir: str) -> dict[str, str]:
-    return {"PATH": SAFE_PATH, "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": workdir}
+def printable_excerpt(text: str, limit: int = 240) -> str:
+    """``text`` safe to show anywhere: control characters (ANSI escapes, BEL, NUL, C1), undecodable bytes
+    and other non-printable characters become ``\\x..``/``\\u..`` escapes; at most ``limit`` characters."""
+    pieces, size = [], 0
+    for char in text:
+        piece = char if char.isprintable() else _escape(char)
+        if size + len(piece) > limit:
+            pieces.append("…")
+            break
+        pieces.append(piece)
+        size += len(piece)
+    return "".join(pieces)
 
 
-def _needed_prefixes() -> list[Path]:
-    paths = {Path(sys.base_prefix).resolve(), Path(sys.prefix).resolve(), Path(sys.executable).resolve().parent}
-    return sorted(paths)
-
-
-def _masks(run_dir: Path) -> list[dict]:
-    """Directories to hide behind a tmpfs, each with the interpreter paths to mount back inside it.
-
-    A directory is hidden when it is the user's home or when others cannot traverse it but the interpreter
-    lives below it (e.g. /root/.pyenv: the sandbox uid could not even start Python otherwise).
-    """
-    hidden: dict[Path, set[Path]] = {}
-    home = Path.home().resolve()
-    if home != Path("/") and home.is_dir() and home not in run_dir.resolve().parents:
-        hidden.setdefault(home, set())
-    for prefix in _needed_prefixes():
-        for ancestor in reversed(prefix.parents):
-            if ancestor == Path("/"):
-                continue
-            if ancestor in hidden or not os.stat(ancestor).st_mode & 0o001:
-                hidden.setdefault(ancestor, set())
-                break
-    for directory, keep in hidden.items():
-        keep.update(p for p in _needed_prefixes() if directory in p.parents)
-    # Never hide the run's own directory (e.g. TMPDIR inside the home directory).
-    hidden = {d: k for d, k in hidden.items() if d not in run_dir.resolve().parents}
-    outer = {d: k for d, k in hidden.items() if not any(o in d.parents for o in hidden)}
-    masks = []
-    for directory, keep in sorted(outer.items()):
-        kept = sorted(k for k in keep if not any(o in k.parents for o in keep))
-        masks.append({"dir": str(directory), "keep": [str(k) for k in kept]})
-    return masks
+def _escape(char: str) -> str:
+    code = ord(char)
+    if char in "\n\r\t":
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}[char]
+    if 0xDC80 <= code <= 0xDCFF:  # an undecodable byte kept by surrogateescape
+        return f"\\x{code - 0xDC00:02x}"
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 _uid_lock = threading.Lock()
@@ -144,10 +156,12 @@ _uids_in_use: set[int] = set()
 
 
 def _allocate_uid() -> int:
+    """A uid for one run. Unique within this process; two posttrain processes drawing the same one of 10^8
+    would only share a process count (their jails cannot see each other)."""
     with _uid_lock:
         while True:
             uid = SANDBOX_UID_BASE + secrets.randbelow(100_000_000)
-            if uid not in _uids_in_use and not _processes_of_uid(uid):
+            if uid not in _uids_in_use:
                 _uids_in_use.add(uid)
                 return uid
 
@@ -215,20 +229,143 @@ def _kill_all(find, key: int, deadline_s: float = 5.0) -> list[str]:
     return notes
 
 
-def _tail(path: Path, limit: int) -> str:
-    with open(path, "rb") as handle:
-        handle.seek(0, os.SEEK_END)
-        size = handle.tell()
-        handle.seek(max(0, size - limit * 4))
-        text = handle.read().decode("utf-8", errors="replace")
-    if len(text) > limit:
-        return "…" + text[-limit:]
-    return text if size <= limit * 4 else "…" + text
+def _require_isolation(allow_unsandboxed: bool) -> bool:
+    supported, reason = sandbox_support()
+    if not supported and not allow_unsandboxed:
+        raise SandboxUnavailable(
+            f"cannot isolate code here ({reason}); refusing to run model-written code. Set "
+            "eval.allow_unsandboxed_code=true (CLI: --allow-unsandboxed-code) only on a machine you can afford to lose."
+        )
+    return supported
 
 
-def _classify(exit_code, sig, timed_out, stderr: str) -> str:
-    if timed_out:
-        return "timeout"
+def run_python(
+    code: str,
+    limits: SandboxLimits | None = None,
+    allow_unsandboxed: bool = False,
+    files: dict[str, str] | None = None,
+) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in the work dir (plus optional extra ``files``) inside the jail.
+
+    Raises SandboxUnavailable when the jail cannot be built here and ``allow_unsandboxed`` is False,
+    SandboxSetupError when building it failed. A misbehaving program never raises: its fate is in
+    ``SandboxResult.status``.
+    """
+    isolated = _require_isolation(allow_unsandboxed)
+    return _run({"mode": "program", "files": {**(files or {}), "main.py": code}}, limits or SandboxLimits(), isolated)
+
+
+def run_tests(
+    solution: str,
+    tests: str,
+    limits: SandboxLimits | None = None,
+    allow_unsandboxed: bool = False,
+) -> SandboxResult:
+    """Run ``solution`` (as ``main.py``) and ``tests`` against it in the jail, in two processes; ``status``
+    is ok only when the tests ran to their end with every assertion holding (``failure`` says why not).
+    The solution can read neither the tests nor the verdict. Raises as :func:`run_python`."""
+    isolated = _require_isolation(allow_unsandboxed)
+    job = {"mode": "tests", "files": {"main.py": solution}, "tests": tests}
+    return _run(job, limits or SandboxLimits(), isolated)
+
+
+def _run(job: dict, limits: SandboxLimits, isolated: bool) -> SandboxResult:
+    layout = jail_layout()
+    uid = _allocate_uid() if isolated and os.geteuid() == 0 else None
+    host_dir = None if isolated else Path(tempfile.mkdtemp(prefix="posttrain-sandbox-"))
+    workdir = WORKDIR if isolated else str(host_dir)
+    tmpdir = TMPDIR if isolated else str(host_dir / ".tmp")
+    nonce = secrets.token_hex(16)
+    spec = {**job, "nonce": nonce, "uid": uid, "workdir": workdir, "tmpdir": tmpdir, "limits": limits.spec(),
+            "env": {"PATH": os.path.dirname(layout.python), "LANG": "C.UTF-8", "HOME": workdir, "TMPDIR": tmpdir}}
+    opened: list[int] = []
+    started = time.monotonic()
+    try:
+        spec_fd = _memfd("spec", json.dumps(spec).encode(), opened)
+        status_fd = _memfd("status", b"", opened)
+        stdout_fd, stdout_writer = _output(opened)
+        stderr_fd, stderr_writer = _output(opened)
+        runner = runner_command(layout.python, RUNNER_DIR if isolated else runner_dir())
+        command = [*runner, "supervise", str(spec_fd), str(status_fd)]
+        child_only = [stdout_writer, stderr_writer]
+        info_fd = None
+        if isolated:
+            seccomp_fd = _pipe_holding(seccomp_program(), opened)
+            info_fd, info_writer = os.pipe()
+            opened += [info_fd, info_writer]
+            child_only += [seccomp_fd, info_writer]
+            command = bwrap_command(_bwrap(), layout, limits.disk_mb * MB, uid is not None, seccomp_fd,
+                                    info_writer) + command
+        process = subprocess.Popen(
+            command, stdin=subprocess.DEVNULL, stdout=stdout_writer, stderr=stderr_writer,
+            pass_fds=[spec_fd, status_fd, *child_only[2:]], cwd=workdir if host_dir else "/",
+            env={"PATH": SAFE_PATH, "LANG": "C.UTF-8"}, start_new_session=True,
+        )
+        for fd in child_only:
+            os.close(fd)
+            opened.remove(fd)
+        timed_out = not _wait(process, limits.timeout_s)
+        # bubblewrap exits only after the jail's PID 1, and the kernel kills every process of a PID namespace
+        # before its PID 1 is gone: a finished jail has no leftovers. Sweep where that does not hold: after a
+        # kill on timeout (by uid, when root) and without the jail (by session).
+        killed_jail = _stop(process, info_fd) if timed_out else True
+        notes = _kill_all(_processes_of_uid, uid) if uid is not None and not killed_jail else []
+        if not isolated or not killed_jail:
+            notes += _kill_all(_processes_of_session, process.pid)
+        duration = time.monotonic() - started
+        records = _records(status_fd)
+        stdout = _tail(stdout_fd, limits.max_output_chars)
+        stderr = _tail(stderr_fd, limits.max_output_chars)
+        if not any(record.get("ready") for record in records) and not timed_out:
+            raise SandboxSetupError(stderr.strip() or f"the jail exited with {process.returncode} before it was ready")
+        final = records[-1] if records and not records[-1].get("ready") else None
+        if job["mode"] == "tests":
+            return _judged(final, nonce, records, timed_out, process.returncode, stdout, stderr, duration,
+                           isolated, notes)
+        exit_code, sig = (final.get("exit_code"), final.get("signal")) if final else _runner_status(process.returncode)
+        status = "timeout" if timed_out else _classify(exit_code, sig, stderr)
+        return SandboxResult(status, exit_code, sig, stdout, stderr, duration, isolated, notes)
+    finally:
+        for fd in opened:
+            os.close(fd)
+        if uid is not None:
+            _release_uid(uid)
+        if host_dir is not None:
+            shutil.rmtree(host_dir, ignore_errors=True)
+
+
+def _judged(final, nonce, records, timed_out, returncode, stdout, stderr, duration, isolated, notes) -> SandboxResult:
+    """The result of a tests run, from the test process's verdict only: the verdict must carry this run's
+    nonce and be the one record after ``ready`` (anything else is not the runner's doing)."""
+    authentic = final is not None and final.get("nonce") == nonce and len(records) == 2
+    if timed_out or not authentic:
+        exit_code, sig = _runner_status(returncode)
+        if timed_out:
+            status, failure = "timeout", ""
+        elif final is None:  # the test process died (its own limits): never a pass
+            status = _classify(exit_code, sig, "")
+            status, failure = ("error", "the test process ended without a verdict") if status == "ok" else (status, "")
+        else:
+            status, failure = "error", "the verdict did not come from this run's test process"
+        return SandboxResult(status, None, sig, stdout, stderr, duration, isolated, notes, failure)
+    failure = str(final.get("failure", ""))
+    sig = final.get("solution_signal")
+    if final.get("passed") is True:
+        status = "ok"
+    elif sig == signal.SIGXCPU:
+        status = "cpu_limit"
+    elif sig == signal.SIGXFSZ:
+        status = "output_limit"
+    elif final.get("failure_type") == "MemoryError":
+        status = "memory"
+    elif any(marker in failure for marker in _BLOCKED_MARKERS):
+        status = "blocked"
+    else:
+        status = "killed" if sig is not None else "error"
+    return SandboxResult(status, None, sig, stdout, stderr, duration, isolated, notes, failure)
+
+
+def _classify(exit_code, sig, stderr: str) -> str:
     if sig == signal.SIGXCPU:
         return "cpu_limit"
     if sig == signal.SIGXFSZ:
@@ -240,152 +377,142 @@ def _classify(exit_code, sig, timed_out, stderr: str) -> str:
         return "ok"
     if any(marker in tail for marker in _BLOCKED_MARKERS):
         return "blocked"
-    if sig is not None:
-        return "killed"
-    return "error"
+    return "killed" if sig is not None else "error"
 
 
-def run_python(
-    code: str,
-    limits: SandboxLimits | None = None,
-    allow_unsandboxed: bool = False,
-    files: dict[str, str] | None = None,
-) -> SandboxResult:
-    """Run ``code`` as ``main.py`` in a fresh directory (plus optional extra ``files``) inside the jail.
-
-    Raises SandboxUnavailable when namespaces cannot be created here and ``allow_unsandboxed`` is False,
-    SandboxSetupError when the jail could not be built. A misbehaving program never raises: its fate is in
-    ``SandboxResult.status``.
-    """
-    limits = limits or SandboxLimits()
-    supported, reason = sandbox_support()
-    if not supported and not allow_unsandboxed:
-        raise SandboxUnavailable(
-            f"cannot isolate code here ({reason}); refusing to run model-written code. Set "
-            "eval.allow_unsandboxed_code=true (CLI: --allow-unsandboxed-code) only on a machine you can afford to lose."
-        )
-    return _run(code, limits, "namespaces" if supported else "rlimits", files or {})
+def _runner_status(returncode: int | None) -> tuple[int | None, int | None]:
+    """The runner's own fate, from bubblewrap's exit code (128 + signal for a signal) or Popen's."""
+    if returncode is None:
+        return None, None
+    if returncode < 0:
+        return None, -returncode
+    return (None, returncode - 128) if returncode > 128 else (returncode, None)
 
 
-def _run(code: str, limits: SandboxLimits, mode: str, files: dict[str, str]) -> SandboxResult:
-    run_dir = Path(tempfile.mkdtemp(prefix="posttrain-sandbox-"))
-    os.chmod(run_dir, 0o711)  # the sandbox uid may pass through to its directory, but not list or read the rest
-    workdir = run_dir / "work"
-    workdir.mkdir()
-    (run_dir / "stage").mkdir()
-    as_root = os.geteuid() == 0
-    uid = _allocate_uid() if as_root and mode == "namespaces" else None
-    started = time.monotonic()
-    notes: list[str] = []
+def _wait(process: subprocess.Popen, timeout_s: float) -> bool:
+    """Wait for the process to end, at most ``timeout_s``; False on timeout. A pidfd wakes us the moment it
+    exits (``Popen.wait(timeout)`` polls with sleeps of up to 50 ms, a large share of a short run)."""
     try:
-        for name, content in {**files, "main.py": code}.items():
-            target = (workdir / name).resolve()
-            if workdir.resolve() not in target.parents:
-                raise ValueError(f"sandbox file name {name!r} escapes the working directory")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(content, encoding="utf-8")
-        if uid is not None:
-            for path in [workdir, *workdir.rglob("*")]:
-                os.chown(path, uid, uid)
-        os.chmod(workdir, 0o700)
-        spec = {
-            "mode": mode,
-            "workdir": str(workdir),
-            "stage_dir": str(run_dir / "stage"),
-            "status_path": str(run_dir / "status.json"),
-            "python": sys.executable,
-            "script": "main.py",
-            "uid": uid,
-            "gid": uid,
-            "limits": limits.spec(),
-            "masks": _masks(run_dir) if mode == "namespaces" else [],
-            "env": _scrubbed_env(str(workdir)),
-        }
-        _write_private(run_dir / "spec.json", json.dumps(spec).encode())
-        stdout_path, stderr_path = run_dir / "stdout", run_dir / "stderr"
-        _write_private(stdout_path, b"")
-        _write_private(stderr_path, b"")
-        with open(stdout_path, "wb") as out, open(stderr_path, "wb") as err:
-            process = subprocess.Popen(
-                [sys.executable, "-I", "-S", "-B", str(LAUNCHER), str(run_dir / "spec.json")],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=str(workdir),
-                env=_scrubbed_env(str(workdir)),
-                start_new_session=True,
-            )
-            timed_out = False
-            try:
-                process.wait(timeout=limits.timeout_s)
-            except subprocess.TimeoutExpired:
-                timed_out = True
-                _stop(process, mode)
-        # Leftovers: the PID namespace normally takes everything down with its first process; this sweep is
-        # the double check (and the only cleanup in rlimits mode).
-        notes += _kill_all(_processes_of_uid, uid) if uid is not None else []
-        notes += _kill_all(_processes_of_session, process.pid)
-        duration = time.monotonic() - started
-        stdout = _tail(stdout_path, limits.max_output_chars)
-        stderr = _tail(stderr_path, limits.max_output_chars)
-        if process.returncode == SETUP_ERROR_EXIT and SETUP_ERROR_PREFIX in stderr:
-            raise SandboxSetupError(stderr.strip())
-        exit_code, sig = _exit_status(process.returncode, run_dir / "status.json", mode)
-        if mode == "namespaces" and exit_code == SETUP_ERROR_EXIT and SETUP_ERROR_PREFIX in stderr:
-            raise SandboxSetupError(stderr.strip())
-        status = _classify(exit_code, sig, timed_out, stderr)
-        return SandboxResult(status, exit_code, sig, stdout, stderr, duration, mode == "namespaces", notes)
-    finally:
-        if uid is not None:
-            _release_uid(uid)
-        shutil.rmtree(run_dir, ignore_errors=True)
-
-
-def _stop(process: subprocess.Popen, mode: str) -> None:
-    """End a run that overstayed. In namespaces mode ask the launcher first: it kills the namespace's first
-    process (taking the whole namespace down) and reaps it, so nothing is left as an orphan zombie."""
-    if mode == "namespaces":
-        process.send_signal(signal.SIGTERM)
+        pidfd = os.pidfd_open(process.pid)
+    except (AttributeError, OSError):
         try:
-            process.wait(timeout=3)
-            return
+            process.wait(timeout=timeout_s)
+            return True
         except subprocess.TimeoutExpired:
+            return False
+    try:
+        ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout_s))
+    finally:
+        os.close(pidfd)
+    if ready:
+        process.wait()
+    return bool(ready)
+
+
+def _stop(process: subprocess.Popen, info_fd: int | None) -> bool:
+    """End a run that overstayed. Kill the jail's first process (its PID 1, which bubblewrap reported on
+    the info pipe): the kernel then kills everything in the namespace and bubblewrap exits. True when that
+    worked; otherwise the process group is killed and the caller sweeps."""
+    child_pid = None
+    if info_fd is not None:
+        os.set_blocking(info_fd, False)
+        try:
+            child_pid = json.loads(os.read(info_fd, 65536) or b"{}").get("child-pid")
+        except (OSError, ValueError):
+            child_pid = None
+    if isinstance(child_pid, int) and child_pid > 1 and _parent_of(child_pid) == process.pid:
+        try:
+            os.kill(child_pid, signal.SIGKILL)
+            process.wait(timeout=5)
+            return True
+        except (ProcessLookupError, subprocess.TimeoutExpired):
             pass
     try:
         os.killpg(process.pid, signal.SIGKILL)
     except ProcessLookupError:
         pass
     process.wait()
+    return False
 
 
-def _write_private(path: Path, data: bytes) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as handle:
-        handle.write(data)
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as handle:
+            return int(handle.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
-def _exit_status(returncode: int | None, status_path: Path, mode: str) -> tuple[int | None, int | None]:
-    if mode == "namespaces":
+def _memfd(name: str, data: bytes, opened: list[int]) -> int:
+    fd = os.memfd_create(f"posttrain-sandbox-{name}")
+    opened.append(fd)
+    os.write(fd, data)
+    os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def _output(opened: list[int]) -> tuple[int, int]:
+    """A memory file for stdout or stderr, and a write-only, append-only descriptor of it for the jail:
+    the code can write its output but neither read it back nor overwrite what came before."""
+    fd = _memfd("output", b"", opened)
+    writer = os.open(f"/proc/self/fd/{fd}", os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    opened.append(writer)
+    return fd, writer
+
+
+def _pipe_holding(data: bytes, opened: list[int]) -> int:
+    reader, writer = os.pipe()
+    opened.append(reader)
+    try:
+        os.write(writer, data)  # far below a pipe's buffer
+    finally:
+        os.close(writer)
+    return reader
+
+
+def _records(status_fd: int) -> list[dict]:
+    os.lseek(status_fd, 0, os.SEEK_SET)
+    raw = os.read(status_fd, 1 << 20)
+    records = []
+    for line in raw.splitlines():
         try:
-            record = json.loads(status_path.read_text())
-            return record["exit_code"], record["signal"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return None, signal.SIGKILL  # the launcher itself was killed (wall-clock timeout)
-    if returncode is None:
-        return None, None
-    return (None, -returncode) if returncode < 0 else (returncode, None)
+            record = json.loads(line)
+        except ValueError:
+            record = {"unreadable": True}
+        records.append(record if isinstance(record, dict) else {"unreadable": True})
+    return records
+
+
+def _tail(fd: int, limit: int) -> str:
+    size = os.fstat(fd).st_size
+    start = max(0, size - limit * 4)
+    text = os.pread(fd, size - start, start).decode("utf-8", errors="backslashreplace")
+    if len(text) > limit:
+        return "…" + text[-limit:]
+    return text if start == 0 else "…" + text
+
+
+def _bwrap() -> str | None:
+    return shutil.which("bwrap", path=SAFE_PATH)
 
 
 @lru_cache(maxsize=1)
 def sandbox_support() -> tuple[bool, str]:
-    """Whether full isolation works on this machine (probed once per process), and why not if it does not."""
+    """Whether the jail works on this machine (probed once per process), and why not if it does not."""
     if sys.platform != "linux":
-        return False, f"namespaces need Linux (this is {sys.platform})"
-    probe = "import socket, os\nprint('sandbox-ok', os.getuid() != 0)\n"
+        return False, f"the sandbox needs Linux (this is {sys.platform})"
+    if not seccomp_supported():
+        return False, f"no seccomp filter for this CPU architecture ({platform.machine()})"
+    if _bwrap() is None:
+        return False, "bubblewrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
+    probe = "import os\nprint('sandbox-ok', os.getuid() != 0)\n"
     try:
-        result = _run(probe, SandboxLimits(timeout_s=30, cpu_s=10), "namespaces", {})
-    except (SandboxSetupError, OSError) as exc:
-        return False, f"could not create namespaces: {str(exc).splitlines()[-1] if str(exc) else exc!r}"
+        result = _run({"mode": "program", "files": {"main.py": probe}}, SandboxLimits(timeout_s=30, cpu_s=10), True)
+    except (SandboxSetupError, OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        lines = str(exc).strip().splitlines()
+        return False, f"bubblewrap could not build the jail: {lines[-1] if lines else repr(exc)}"
     if result.stdout.strip() != "sandbox-ok True":
         return False, f"probe failed ({result.status}): {result.stderr.strip()[-300:]}"
-    return True, "network, mount, PID and IPC namespaces; unprivileged uid; read-only file system"
+    who = "a fresh uid" if os.geteuid() == 0 else "a user namespace"
+    return True, (f"bubblewrap: no network, empty root with the interpreter read-only, PID/IPC/UTS/cgroup "
+                  f"namespaces, seccomp, {who}")

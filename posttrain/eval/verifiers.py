@@ -24,7 +24,7 @@ from fractions import Fraction
 
 from posttrain.eval.ifeval import check_constraints, constraint_problem
 from posttrain.eval.items import EvalItem, _Registry
-from posttrain.eval.sandbox import SandboxLimits, run_python
+from posttrain.eval.sandbox import SandboxLimits, printable_excerpt, run_tests
 
 
 @dataclass
@@ -316,21 +316,19 @@ _STATUS_WORDS = {
     "output_limit": "output/file size limit exceeded",
     "blocked": "blocked by the sandbox",
     "killed": "killed by a signal",
-    "error": "tests failed (non-zero exit)",
+    "error": "tests failed",
 }
-
-
-def _last_error_line(stderr: str) -> str:
-    lines = [line.strip() for line in stderr.strip().splitlines() if line.strip()]
-    return lines[-1][:300] if lines else ""
+DETAIL_CHARS = 240  # of the failure's text in a detail: escaped, never the program's raw output
 
 
 @register_verifier("code", _check_code)
 def code(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
-    """Run the extracted code followed by ``item.tests`` in the sandbox; passed iff it exits 0 within limits.
+    """Run the extracted code and ``item.tests`` against it in the sandbox (``run_tests``: two processes, the
+    tests call the solution through a channel); passed iff the tests ran to their end within the limits.
 
     Limits: ``settings.code_limits``, with the item's ``timeout_s`` / ``cpu_s`` / ``memory_mb`` options on top.
-    Raises posttrain.eval.sandbox.SandboxUnavailable where code cannot be isolated and
+    The detail carries the status and a bounded, escaped excerpt of why the tests failed, never the
+    program's output. Raises posttrain.eval.sandbox.SandboxUnavailable where code cannot be isolated and
     ``settings.allow_unsandboxed_code`` is False: a refusal is a configuration problem, not a score.
     """
     overrides: dict[str, float | int] = {}
@@ -341,13 +339,10 @@ def code(output: str, item: EvalItem, settings: VerifySettings) -> VerifyResult:
     if "memory_mb" in item.options:
         overrides["memory_mb"] = int(item.options["memory_mb"])
     limits = dataclasses.replace(settings.code_limits, **overrides)  # a copy: the caller's limits never change
-    program = extract_code(output).rstrip() + "\n\n\n" + (item.tests or "") + "\n"
-    result = run_python(program, limits, allow_unsandboxed=settings.allow_unsandboxed_code)
+    result = run_tests(extract_code(output), item.tests or "", limits, allow_unsandboxed=settings.allow_unsandboxed_code)
     isolation = "" if result.isolated else " [UNSANDBOXED]"
     if result.ok:
         return VerifyResult(1.0, True, f"tests passed in {result.duration_s:.2f}s{isolation}")
     why = _STATUS_WORDS.get(result.status, result.status)
-    error = _last_error_line(result.stderr)
-    if result.status == "timeout":
-        error = f"after {limits.timeout_s:g}s"
-    return VerifyResult(0.0, False, f"{why}{': ' + error if error else ''}{isolation}")
+    reason = f"after {limits.timeout_s:g}s" if result.status == "timeout" else printable_excerpt(result.failure, DETAIL_CHARS)
+    return VerifyResult(0.0, False, f"{why}{': ' + reason if reason else ''}{isolation}")

@@ -3,6 +3,7 @@ harness must keep going. Limits are small so the hostile cases stay cheap on a s
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import shlex
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from posttrain.eval import sandbox
+from posttrain.eval import sandbox, sandbox_jail
 from posttrain.eval.harness import evaluate
 from posttrain.eval.items import Suite
 from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_support
@@ -55,17 +56,17 @@ def test_infinite_loop_is_stopped():
 def test_fork_bomb_is_bounded_and_cleaned_up():
     marker = f"{secrets.randbelow(10**6) + 10**6}.5"
     code = textwrap.dedent(f"""
-        import os
+        import os, sys
         while True:
             try:
                 if os.fork() == 0:
-                    os.execv("/bin/sleep", ["sleep", "{marker}"])
+                    os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep({marker})"])
             except OSError:
                 pass
     """)
     result = run_python(code, SMALL)
     assert result.status in ("timeout", "cpu_limit", "blocked")
-    assert _alive_with_cmdline(f"sleep\x00{marker}") == []
+    assert _alive_with_cmdline(f"time.sleep({marker})") == []
 
 
 @needs_sandbox
@@ -80,15 +81,16 @@ def test_crashing_fork_bomb_hits_the_process_limit():
 def test_detached_children_are_killed_at_the_end():
     marker = f"{secrets.randbelow(10**6) + 2 * 10**6}.5"
     code = textwrap.dedent(f"""
-        import os
+        import os, sys, time
         if os.fork() == 0:
             os.setsid()
-            os.execv("/bin/sleep", ["sleep", "{marker}"])
+            os.execv(sys.executable, [sys.executable, "-S", "-c", "import time; time.sleep({marker})"])
+        time.sleep(0.5)  # the child is running (and would outlive us) by now
         print("parent done")
     """)
     result = run_python(code, SMALL)
-    assert result.status == "ok"
-    assert _alive_with_cmdline(f"sleep\x00{marker}") == []
+    assert result.status == "ok" and result.stdout.strip() == "parent done"
+    assert _alive_with_cmdline(f"time.sleep({marker})") == []
 
 
 @needs_sandbox
@@ -98,7 +100,8 @@ def test_memory_hog_is_stopped():
 
 
 @needs_sandbox
-def test_no_network_not_even_loopback():
+def test_no_network_the_hosts_loopback_is_unreachable():
+    """The jail's network namespace has only its own loopback: a listener on the host's is out of reach."""
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -107,22 +110,25 @@ def test_no_network_not_even_loopback():
     try:
         code = f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2).sendall(b'x')"
         result = run_python(code, SMALL)
-        assert result.status == "blocked" and "Network is unreachable" in result.stderr
+        assert result.status == "blocked" and "Connection refused" in result.stderr, result.stderr
         with pytest.raises(BlockingIOError):
             server.accept()
         outside = run_python("import socket\nsocket.create_connection(('1.1.1.1', 53), timeout=2)", SMALL)
-        assert outside.status == "blocked"
+        assert outside.status == "blocked" and "Network is unreachable" in outside.stderr
     finally:
         server.close()
 
 
 @needs_sandbox
 def test_cannot_write_outside_its_directory(tmp_path):
-    targets = [tmp_path / "escaped.txt", Path("/tmp") / f"posttrain-escape-{secrets.token_hex(4)}", Path("../x")]
-    for target in targets:
+    """/work and /tmp are the jail's own tmpfs; nothing written there, or anywhere, reaches the host."""
+    host_tmp = Path("/tmp") / f"posttrain-escape-{secrets.token_hex(4)}"
+    for target in [tmp_path / "escaped.txt", Path("../x"), Path("/x"), Path("/usr/lib/x")]:
         result = run_python(f"open({str(target)!r}, 'w').write('pwned')", SMALL)
-        assert result.status == "blocked", result.stderr
-    assert not targets[0].exists() and not targets[1].exists()
+        assert not result.ok and result.status in ("blocked", "error"), (target, result.stderr)
+    inside = run_python(f"open({str(host_tmp)!r}, 'w').write('x')\nprint(open({str(host_tmp)!r}).read())", SMALL)
+    assert inside.ok and inside.stdout.strip() == "x"  # the jail's own /tmp works...
+    assert not (tmp_path / "escaped.txt").exists() and not host_tmp.exists()  # ...and is not the host's
 
 
 @needs_sandbox
@@ -130,13 +136,16 @@ def test_environment_is_scrubbed_and_home_hidden(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_TEST_SECRET", "hunter2")
     result = run_python("import os, json\nprint(json.dumps(dict(os.environ)))\nprint(os.getuid())", SMALL)
     env_line, uid_line = result.stdout.strip().splitlines()
-    assert "hunter2" not in env_line and set(eval(env_line)) == {"PATH", "LANG", "HOME", "TMPDIR"}
+    assert "hunter2" not in env_line and set(json.loads(env_line)) == {"PATH", "LANG", "HOME", "TMPDIR"}
     assert int(uid_line) != 0
     home = Path.home()
     if home != Path("/"):
         listing = run_python(f"import os\nprint(sorted(os.listdir({str(home)!r})))", SMALL)
-        visible = eval(listing.stdout) if listing.ok else []
-        assert set(visible) <= {p.relative_to(home).parts[0] for p in sandbox._needed_prefixes() if home in p.parents}
+        visible = json.loads(listing.stdout.replace("'", '"')) if listing.ok else []
+        layout = sandbox_jail.jail_layout()
+        needed = {Path(p).relative_to(home).parts[0] for p in (*layout.directories, *layout.files)
+                  if home in Path(p).parents}
+        assert set(visible) <= needed, visible
 
 
 @needs_sandbox
@@ -147,7 +156,7 @@ def test_harness_scores_escapes_as_failures_and_keeps_going():
         "fork": "import os\ndef add(a, b):\n    while True:\n        os.fork()",
         "memory": "def add(a, b):\n    x = bytearray(4 * 1024 ** 3)\n    return a + b",
         "socket": "import socket\ndef add(a, b):\n    socket.create_connection(('127.0.0.1', 9), timeout=1)\n    return a + b",
-        "write": f"def add(a, b):\n    open('/tmp/posttrain-escape-{secrets.token_hex(4)}', 'w').write('x')\n    return a + b",
+        "write": f"def add(a, b):\n    open('/posttrain-escape-{secrets.token_hex(4)}', 'w').write('x')\n    return a + b",
         "wrong": "def add(a, b):\n    return a - b",
         "good": "```python\ndef add(a, b):\n    return a + b\n```",
     }
@@ -188,7 +197,8 @@ limits = SandboxLimits(timeout_s=3, cpu_s=2, memory_mb=256, max_processes=16)
 print(json.dumps({
     "support": sandbox_support()[0],
     "fork": run_python("import os\\nwhile True:\\n    os.fork()", limits).status,
-    "write": run_python("open('/tmp/posttrain-unpriv-escape', 'w').write('x')", limits).status,
+    "write": run_python("open('/posttrain-unpriv-escape', 'w').write('x')", limits).status,
+    "tmp": run_python("open('/tmp/posttrain-unpriv-escape', 'w').write('x')", limits).status,
     "net": run_python("import socket\\nsocket.create_connection(('127.0.0.1', 9), timeout=1)", limits).status,
     "ok": run_python("print('fine')", limits).stdout.strip(),
 }))
@@ -217,17 +227,6 @@ def test_unprivileged_user_path_with_user_namespace(tmp_path):
     import json
 
     report = json.loads(done.stdout.strip().splitlines()[-1])
-    assert report == {"support": True, "fork": "blocked", "write": "blocked", "net": "blocked", "ok": "fine"}
+    assert report == {"support": True, "fork": "blocked", "write": "blocked", "tmp": "ok", "net": "blocked",
+                      "ok": "fine"}
     assert not Path("/tmp/posttrain-unpriv-escape").exists()
-
-
-def test_masks_hide_home_but_never_the_run_directory(tmp_path, monkeypatch):
-    home = tmp_path / "home"
-    (home / "run").mkdir(parents=True)
-    monkeypatch.setenv("HOME", str(home))
-    elsewhere = sandbox._masks(tmp_path / "elsewhere")
-    assert {"dir": str(home.resolve()), "keep": []} in elsewhere
-    inside = sandbox._masks(home / "run")
-    assert all(mask["dir"] != str(home.resolve()) for mask in inside)
-    for mask in elsewhere:  # whatever is hidden, the interpreter is mounted back
-        assert all(Path(k).is_relative_to(mask["dir"]) for k in mask["keep"])
