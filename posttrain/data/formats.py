@@ -178,9 +178,6 @@ def detect_format(raw: dict) -> str:
     )
 
 
-# ---------------------------------------------------------------------------------------- field checks
-
-
 def _type_name(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
