@@ -102,7 +102,11 @@ def _watch_parent(parent_pid: int) -> None:
 
 def _worker_main(fd: int, bell: int, parent_pid: int) -> None:
     """A worker's life: the parent's sys.path, then the handler, then chunks until the end message or EOF."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    # Ctrl-C and a SIGTERM to the process group reach the workers too: the parent decides what happens to a
+    # step in flight (a checkpoint on SIGTERM must not hold rewards zeroed by dead workers). The parent ends
+    # them: an end message, EOF when it exits, SIGKILL on a timeout; _watch_parent when it dies.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for key, value in (("OMP_NUM_THREADS", "1"), ("MKL_NUM_THREADS", "1"), ("TOKENIZERS_PARALLELISM", "false")):
         os.environ.setdefault(key, value)
     threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True).start()
@@ -180,6 +184,8 @@ class TimeoutPool:
         return _Worker(process, mine, bell, time.monotonic())
 
     def _replace(self, index: int) -> None:
+        if self._closed:
+            raise PoolError("the reward pool was closed during a run")
         old = self._workers[index]
         _kill(old.process)
         self._selector.unregister(old.bell)
@@ -195,6 +201,8 @@ class TimeoutPool:
         queue = deque(range(len(jobs)))
         left = len(jobs)
         while left:
+            if self._closed:  # close() from another thread: stop, start nothing new
+                raise PoolError("the reward pool was closed during a run")
             self._dispatch(jobs, queue)
             self._wait()
             now = time.monotonic()

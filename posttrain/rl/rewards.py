@@ -252,6 +252,8 @@ class RewardFunction:
                                      "reward.code.allow_unsandboxed=true only on a machine you can afford to lose")
 
     def score(self, prompts: Sequence[RLPrompt], completions: Sequence[str]) -> RewardBatch:
+        """Rewards for ``completions[i]`` as an answer to ``prompts[i]`` (pass a prompt object G times for its G
+        samples: it converts and pickles once). One call at a time per instance."""
         if len(prompts) != len(completions):
             raise ValueError(f"{len(prompts)} prompts but {len(completions)} completions")
         n = len(prompts)
@@ -331,11 +333,13 @@ class RewardFunction:
         return self._pool.replaced if self._pool else 0
 
     def close(self) -> None:
+        """Stop the pool (a job still running is killed) and the threads; safe to call twice."""
+        if self._driver is not None:
+            self._driver.shutdown(wait=False, cancel_futures=True)
         if self._pool is not None:
             self._pool.close()
-        for executor in (self._driver, self._code_threads):
-            if executor is not None:
-                executor.shutdown(wait=True)
+        if self._code_threads is not None:
+            self._code_threads.shutdown(wait=True)  # each run ends within its sandbox timeout
 
     def __enter__(self) -> RewardFunction:
         return self
