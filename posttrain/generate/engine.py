@@ -143,7 +143,8 @@ class HFBackend:
 
     ``model`` may be the live policy of a training loop (its train/eval mode is restored afterwards).
     Prompts are left-padded; position ids count real tokens only, so a padded row computes what it would
-    compute alone.
+    compute alone. The ``n`` samples of a prompt share one prefill (its KV cache rows are copied), which
+    matters for RL groups (``n = G``) with long prompts.
     """
 
     def __init__(self, model: Any, tokenizer: Any, device: str | torch.device | None = None):
@@ -221,10 +222,15 @@ class HFBackend:
     def _generate_batch(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
         from transformers import DynamicCache
 
-        width = max(len(ids) for ids in prompt_ids)
-        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in prompt_ids], device=self.device)
+        # Rows that share a prompt (the n samples of one prompt sit side by side) share its prefill: each
+        # distinct prompt is run once and its cache rows and last logits are copied to its samples.
+        distinct: dict[tuple[int, ...], int] = {}
+        source = [distinct.setdefault(tuple(ids), len(distinct)) for ids in prompt_ids]
+        unique_ids = [list(ids) for ids in distinct]
+        width = max(len(ids) for ids in unique_ids)
+        input_ids = torch.tensor([[self.pad_id] * (width - len(ids)) + ids for ids in unique_ids], device=self.device)
         attention = torch.tensor(
-            [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device, dtype=torch.long
+            [[0] * (width - len(ids)) + [1] * len(ids) for ids in unique_ids], device=self.device, dtype=torch.long
         )
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         # Each row's uniforms for every step, drawn once from its own generator: [rows, max_new_tokens].
@@ -234,6 +240,10 @@ class HFBackend:
         ])
         cache = DynamicCache(config=getattr(self.model, "config", None))
         logits = self._forward(input_ids, attention, positions, cache)
+        if len(unique_ids) < len(prompt_ids):
+            to_rows = torch.tensor(source, device=self.device)
+            cache.batch_select_indices(to_rows)
+            logits, attention, positions = logits[to_rows], attention[to_rows], positions[to_rows]
         next_position = positions[:, -1] + 1
 
         generated: list[list[int]] = [[] for _ in prompt_ids]
