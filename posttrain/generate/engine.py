@@ -5,14 +5,26 @@ interchangeable backends.
 prompts. ``VLLMBackend`` (``posttrain.generate.vllm_backend``) is used on GPU when vLLM is installed.
 
 Determinism: every sequence draws its randomness from its own generator seeded by
-``(params.seed, prompt index, sample index)``, so results repeat run to run and do not depend on
-``batch_size`` (greedy decoding is bit-identical across batch sizes in float32; sampled decoding is
-identical up to float noise at a bin edge).
+``(params.seed, prompt key, sample index)`` (the prompt key is its index in the request unless
+``seed_keys`` gives one), so results repeat run to run and do not depend on ``batch_size`` or on how
+prompts are split over calls or ranks (greedy decoding is bit-identical across batch sizes in float32;
+sampled decoding is identical up to float noise at a bin edge). A sequence draws its
+``max_new_tokens`` uniforms in one call when its batch starts (the same stream as one draw per step).
+
+Log-probs at sampling time (``SamplingParams.logprobs``): for each generated token,
+``log softmax(logits / T)[token]`` in float32, computed from the same logits the token was drawn from.
+Temperature is applied; top-p / top-k are *not*: the number is the log-prob under the tempered model
+distribution, which is what a training forward that divides its logits by the same ``T`` computes
+(``posttrain.models.logprobs``, ``temperature=``), so RL ratios start at exactly 1 up to float noise.
+With top-p / top-k on, the tokens come from the truncated distribution while the log-probs are of the
+untruncated one (say so where that matters). Greedy decoding (``T = 0``) records ``T = 1`` log-probs,
+the model's own distribution.
 """
 
 from __future__ import annotations
 
 import inspect
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -30,6 +42,7 @@ from posttrain.generate.sampling import (
     greedy,
     row_seed,
     sample_inverse_cdf,
+    token_logprobs,
 )
 from posttrain.progress import progress as progress_bar
 
@@ -50,7 +63,11 @@ FINISH_REASONS = ("stop", "length", "eos")
 
 @dataclass
 class SamplingParams:
-    """What to sample. ``temperature == 0`` means greedy (then ``top_p``/``top_k`` are ignored)."""
+    """What to sample. ``temperature == 0`` means greedy (then ``top_p``/``top_k`` are ignored).
+
+    ``logprobs``: also record each generated token's log-prob (``Completion.logprobs``; see the module
+    docstring for exactly which distribution).
+    """
 
     n: int = 1
     temperature: float = 1.0
@@ -59,6 +76,7 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: list[str] = field(default_factory=list)
     seed: int = 0
+    logprobs: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -86,12 +104,14 @@ class Completion:
     ``token_ids`` are exactly the sampled tokens (including the EOS token, or the token that completed a
     stop string); ``text`` is their decoding without special tokens, cut before the first stop string.
     ``finish_reason``: "eos" (the model ended its turn), "stop" (a stop string appeared) or "length"
-    (``max_new_tokens`` reached).
+    (``max_new_tokens`` reached). ``logprobs``: one float32 log-prob per entry of ``token_ids`` when
+    ``SamplingParams.logprobs`` was on, else ``None``.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
+    logprobs: list[float] | None = None
 
 
 @runtime_checkable
@@ -102,8 +122,13 @@ class Backend(Protocol):
         params: SamplingParams,
         batch_size: int = 8,
         progress: bool = True,
+        seed_keys: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
-        """Return ``params.n`` completions for each prompt, in prompt order."""
+        """Return ``params.n`` completions for each prompt, in prompt order.
+
+        ``seed_keys[i]`` replaces prompt ``i``'s position in the request in its sequences' seeds: give
+        global prompt indices when a request is one rank's (or one call's) share of a larger one.
+        """
         ...
 
 
@@ -145,9 +170,11 @@ class HFBackend:
         params: SamplingParams,
         batch_size: int = 8,
         progress: bool = True,
+        seed_keys: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+        keys = _seed_keys(seed_keys, len(prompts))
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for index, ids in enumerate(encoded):
             if not ids:
@@ -163,7 +190,8 @@ class HFBackend:
             with torch.no_grad(), bar:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start : start + batch_size]
-                    completions = self._generate_batch([encoded[p] for p, _ in chunk], chunk, params)
+                    seeds = [row_seed(params.seed, keys[p], s) for p, s in chunk]
+                    completions = self._generate_batch([encoded[p] for p, _ in chunk], seeds, params)
                     for (p, s), completion in zip(chunk, completions, strict=True):
                         results[p][s] = completion
                     bar.update(len(chunk))
@@ -179,16 +207,18 @@ class HFBackend:
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
         return out.logits[:, -1, :].float()
 
-    def _choose(self, logits: torch.Tensor, generators: list[torch.Generator], params: SamplingParams) -> torch.Tensor:
+    def _choose(
+        self, logits: torch.Tensor, uniforms: torch.Tensor | None, params: SamplingParams
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Next token per row, and its log-prob under ``softmax(logits / T)`` when asked (T = 1 if greedy)."""
         if params.greedy:
-            return greedy(logits)
-        logits = filter_top_p(filter_top_k(apply_temperature(logits, params.temperature), params.top_k), params.top_p)
-        uniforms = torch.stack([torch.rand((), generator=g, dtype=torch.float64) for g in generators])
-        return sample_inverse_cdf(logits, uniforms)
+            tokens, scaled = greedy(logits), logits
+        else:
+            scaled = apply_temperature(logits, params.temperature)
+            tokens = sample_inverse_cdf(filter_top_p(filter_top_k(scaled, params.top_k), params.top_p), uniforms)
+        return tokens, token_logprobs(scaled, tokens) if params.logprobs else None
 
-    def _generate_batch(
-        self, prompt_ids: list[list[int]], keys: list[tuple[int, int]], params: SamplingParams
-    ) -> list[Completion]:
+    def _generate_batch(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
         from transformers import DynamicCache
 
         width = max(len(ids) for ids in prompt_ids)
@@ -197,16 +227,24 @@ class HFBackend:
             [[0] * (width - len(ids)) + [1] * len(ids) for ids in prompt_ids], device=self.device, dtype=torch.long
         )
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        generators = [torch.Generator().manual_seed(row_seed(params.seed, p, s)) for p, s in keys]
+        # Each row's uniforms for every step, drawn once from its own generator: [rows, max_new_tokens].
+        uniforms = None if params.greedy else torch.stack([
+            torch.rand(params.max_new_tokens, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+            for seed in seeds
+        ])
         cache = DynamicCache(config=getattr(self.model, "config", None))
         logits = self._forward(input_ids, attention, positions, cache)
         next_position = positions[:, -1] + 1
 
         generated: list[list[int]] = [[] for _ in prompt_ids]
+        logprobs: list[list[float]] = [[] for _ in prompt_ids]
         finish: list[str | None] = [None] * len(prompt_ids)
         active = list(range(len(prompt_ids)))  # batch rows (original indices) still decoding
         for step in range(params.max_new_tokens):
-            tokens = self._choose(logits, [generators[i] for i in active], params)
+            tokens, token_lps = self._choose(logits, None if uniforms is None else uniforms[:, step], params)
+            if token_lps is not None:
+                for value, row in zip(token_lps.tolist(), active, strict=True):
+                    logprobs[row].append(value)
             for token, row in zip(tokens.tolist(), active, strict=True):
                 generated[row].append(token)
                 if token in self.eos_ids:
@@ -222,6 +260,8 @@ class HFBackend:
                 index = torch.tensor(keep, device=self.device)
                 cache.batch_select_indices(index)
                 attention, tokens, next_position = attention[index], tokens[index], next_position[index]
+                if uniforms is not None:
+                    uniforms = uniforms[index.cpu()]
                 active = [active[j] for j in keep]
             attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
             logits = self._forward(tokens[:, None], attention, next_position[:, None], cache)
@@ -231,11 +271,23 @@ class HFBackend:
         for row, token_ids in enumerate(generated):
             text = self._decode([t for t in token_ids if t not in self.eos_ids])
             text, _ = cut_at_stop(text, params.stop)
-            completions.append(Completion(text=text, token_ids=token_ids, finish_reason=finish[row] or "length"))
+            completions.append(Completion(text=text, token_ids=token_ids, finish_reason=finish[row] or "length",
+                                          logprobs=logprobs[row] if params.logprobs else None))
         return completions
 
     def _decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+
+def _seed_keys(seed_keys: Sequence[int] | None, count: int) -> list[int]:
+    if seed_keys is None:
+        return list(range(count))
+    keys = [int(k) for k in seed_keys]
+    if len(keys) != count:
+        raise ValueError(f"seed_keys has {len(keys)} entries for {count} prompts; give one per prompt")
+    if len(set(keys)) != count:
+        raise ValueError("seed_keys must be distinct: two prompts with one key would draw the same samples")
+    return keys
 
 
 def _model_device(model: Any) -> torch.device:

@@ -1,7 +1,7 @@
 """Token-choice math for the sampler: pure functions on logits, one row per sequence.
 
 Each function takes ``logits`` of shape ``(batch, vocab)`` and returns a tensor of the same shape
-(filters) or ``(batch,)`` token ids (choosers). Rows never interact, which is what makes a prompt's
+(filters), ``(batch,)`` token ids (choosers) or ``(batch,)`` log-probs (``token_logprobs``). Rows never interact, which is what makes a prompt's
 samples the same whether it is generated alone or inside a batch.
 """
 
@@ -67,6 +67,14 @@ def sample_inverse_cdf(logits: torch.Tensor, uniforms: torch.Tensor) -> torch.Te
     index = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     # Never land on a token that the filters removed (zero-probability tail after rounding).
     return torch.minimum(index, (probs > 0).long().cumsum(-1).argmax(-1))
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """``log softmax(logits)[row, tokens[row]]`` in float32: logits ``(batch, vocab)``, tokens ``(batch,)`` →
+    ``(batch,)``. Written as ``z_token - logsumexp(z)``, the expression the training forward uses
+    (``posttrain.models.logprobs``), so the two agree to float32 rounding on the same logits."""
+    logits = logits.float()
+    return logits.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - torch.logsumexp(logits, dim=-1)
 
 
 def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:

@@ -35,10 +35,24 @@ def select_loss_positions(
     return hidden[:, :-1][keep], shifted[keep], rows[keep]
 
 
-def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0, entropy: bool = False
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     logits = F.linear(hidden, weight).float()
+    if temperature != 1.0:  # skipped at 1 so the default numbers stay bit-identical
+        logits = logits / temperature
     picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return picked - torch.logsumexp(logits, dim=-1)
+    logsumexp = torch.logsumexp(logits, dim=-1)
+    if not entropy:
+        return picked - logsumexp
+    with torch.no_grad():  # a metric: H = logsumexp(z) - sum_i p_i z_i, no gradient, no extra backward
+        token_entropy = logsumexp - (torch.softmax(logits, dim=-1) * logits).sum(-1)
+    return picked - logsumexp, token_entropy
+
+
+def _check_temperature(temperature: float) -> None:
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0 for log-probs (got {temperature})")
 
 
 def chunked_token_logprobs(
@@ -47,24 +61,36 @@ def chunked_token_logprobs(
     targets: torch.Tensor,
     chunk_size: int = 1024,
     keep_logits_bytes: int = KEEP_LOGITS_BYTES,
-) -> torch.Tensor:
-    """``log softmax(hidden @ weight.T)[i, targets[i]]`` for each row, in float32, chunk by chunk.
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``log softmax(hidden @ weight.T / temperature)[i, targets[i]]`` for each row, in float32, chunk by chunk.
 
     Shapes: hidden ``[N, H]``, weight ``[V, H]``, targets ``[N]`` → ``[N]``. Under autograd each chunk
     is checkpointed (its logits recomputed in backward) unless ``N * V * 4 <= keep_logits_bytes``.
+    ``temperature`` divides the float32 logits before the softmax, as the sampler does
+    (``posttrain.generate.engine``), so RL ratios compare the same distribution; at 1.0 (the default) the
+    division is skipped. ``return_entropy``: also return each row's entropy of that distribution
+    (``[N]``, detached: a metric computed from the logits already in hand).
     """
+    _check_temperature(temperature)
     if hidden.shape[0] == 0:
-        return hidden.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
-    pieces = []
+        empty = hidden.new_zeros(0, dtype=torch.float32) + 0.0 * weight.sum()
+        return (empty, empty.detach()) if return_entropy else empty
+    pieces, entropies = [], []
     needs_grad = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     recompute = needs_grad and hidden.shape[0] * weight.shape[0] * 4 > keep_logits_bytes
     for start in range(0, hidden.shape[0], chunk_size):
         h, t = hidden[start : start + chunk_size], targets[start : start + chunk_size]
         if recompute:
-            pieces.append(checkpoint(_chunk_logprobs, h, weight, t, use_reentrant=False))
+            out = checkpoint(_chunk_logprobs, h, weight, t, temperature, return_entropy, use_reentrant=False)
         else:
-            pieces.append(_chunk_logprobs(h, weight, t))
-    return torch.cat(pieces)
+            out = _chunk_logprobs(h, weight, t, temperature, return_entropy)
+        if return_entropy:
+            out, token_entropy = out
+            entropies.append(token_entropy)
+        pieces.append(out)
+    return (torch.cat(pieces), torch.cat(entropies)) if return_entropy else torch.cat(pieces)
 
 
 def naive_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -88,8 +114,12 @@ def model_token_logprobs(
     attention_mask: torch.Tensor | None = None,
     position_ids: torch.Tensor | None = None,
     chunk_size: int = 1024,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run an HF causal LM's decoder and return ``(token_logprobs [N], rows [N])`` at loss positions.
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+) -> tuple[torch.Tensor, ...]:
+    """Run an HF causal LM's decoder and return ``(token_logprobs [N], rows [N])`` at loss positions
+    (``(token_logprobs, rows, entropy [N])`` with ``return_entropy``); ``temperature`` as in
+    ``chunked_token_logprobs``.
 
     Works for architectures whose logits are ``lm_head(final_hidden)`` without scaling or soft-capping
     (Llama, Mistral, Qwen2/3); others raise rather than return subtly wrong numbers.
@@ -106,7 +136,11 @@ def model_token_logprobs(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output head without bias")
-    return chunked_token_logprobs(hidden, head.weight, targets, chunk_size), rows
+    values = chunked_token_logprobs(hidden, head.weight, targets, chunk_size, temperature=temperature,
+                                    return_entropy=return_entropy)
+    if return_entropy:
+        return values[0], rows, values[1]
+    return values, rows
 
 
 class TokenLogprobModel(torch.nn.Module):
@@ -128,7 +162,10 @@ class TokenLogprobModel(torch.nn.Module):
         labels: torch.Tensor,
         attention_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        temperature: float = 1.0,
+        return_entropy: bool = False,
+    ) -> tuple[torch.Tensor, ...]:
         return model_token_logprobs(
-            self.lm, input_ids, labels, attention_mask, position_ids, chunk_size=self.chunk_size
+            self.lm, input_ids, labels, attention_mask, position_ids, chunk_size=self.chunk_size,
+            temperature=temperature, return_entropy=return_entropy,
         )

@@ -1,0 +1,1 @@
+"""RL: rewards, and (from the lead) the GRPO recipe."""
