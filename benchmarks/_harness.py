@@ -19,6 +19,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -103,7 +104,8 @@ class Child:
     """One framework run in its own process (``script --child FRAMEWORK --spec FILE``), driven step by step."""
 
     def __init__(self, script: str | Path, framework: str, spec: dict, work_dir: Path, tag: str,
-                 describe: Callable[[dict], str] | None = None, env: dict[str, str] | None = None):
+                 describe: Callable[[dict], str] | None = None, env: dict[str, str] | None = None,
+                 sample_tree_rss: bool = False):
         self.framework, self.tag, self.describe = framework, tag, describe
         self.bench = Path(script).stem
         self.run_dir = work_dir / "runs" / tag
@@ -129,6 +131,7 @@ class Child:
         )
         os.close(go_read)
         os.close(done_write)  # so that a dead child reads as end-of-file here
+        self.tree_rss = TreeRSS(self.process.pid) if sample_tree_rss else None
 
     def expect(self, message: bytes) -> None:
         got = os.read(self.done_read, 1)
@@ -154,9 +157,49 @@ class Child:
             raise RuntimeError(f"{self.tag} failed with exit code {self.process.returncode}:\n{tail}")
         figures = json.loads((self.run_dir / "result.json").read_text())
         figures["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux reports KiB
+        if self.tree_rss is not None:
+            figures["tree_peak_rss_mb"] = self.tree_rss.stop()
         detail = self.describe(figures) if self.describe else f"median step {figures['median_step_s']:.3f}s"
         print(f"[{self.bench}] {self.tag}: {detail}, peak RSS {figures['peak_rss_mb']:.0f} MB", file=sys.stderr, flush=True)
         return figures
+
+
+class TreeRSS:
+    """Peak of the summed RSS of a process and all its descendants (e.g. reward worker pools), sampled.
+
+    ``ru_maxrss`` is one process's own peak: helper processes a run starts are not in it. A thread
+    polls the tree every ``interval_s`` (so a peak shorter than that can be missed; the figure is a
+    lower bound) until ``stop()``, which returns the peak in MB.
+    """
+
+    def __init__(self, pid: int, interval_s: float = 0.05):
+        import psutil
+
+        self._root, self._interval, self.peak_bytes = psutil.Process(pid), interval_s, 0
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        import psutil
+
+        while not self._done.is_set():
+            total = 0
+            try:
+                for process in [self._root, *self._root.children(recursive=True)]:
+                    try:
+                        total += process.memory_info().rss
+                    except psutil.Error:  # a helper that just exited
+                        pass
+            except psutil.Error:  # the run itself has exited
+                return
+            self.peak_bytes = max(self.peak_bytes, total)
+            self._done.wait(self._interval)
+
+    def stop(self) -> float:
+        self._done.set()
+        self._thread.join()
+        return self.peak_bytes / 2**20
 
 
 def drive(children: list[Child], total_steps: int) -> list[dict]:

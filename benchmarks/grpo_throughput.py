@@ -124,21 +124,24 @@ def prompt_token_check(model_dir: str | Path, records) -> dict:
 # ----------------------------------------------------------------------------- children
 
 
-def verifier_reward(completions: list, record: list[str], **_columns) -> list[float]:
-    """TRL reward function: each completion's ``posttrain.eval.verifiers`` score for its prompt's record.
+def trl_reward(reward_function):
+    """A TRL reward function that scores with posttrain's own ``RewardFunction`` (``posttrain.rl.rewards``).
 
-    ``record`` is the prompt's ``RLPrompt`` as JSON (a dataset column TRL hands to reward functions);
-    conversational completions arrive as ``[{"role": "assistant", "content": text}]``.
+    Both frameworks then share the reward code, its config (the recipe's default: the record's own
+    verifier, weight 1) and its worker pool. TRL hands each completion's dataset columns to reward
+    functions: ``record`` is the prompt's ``RLPrompt`` as JSON; conversational completions arrive as
+    ``[{"role": "assistant", "content": text}]``.
     """
     from posttrain.data.records import RLPrompt
-    from posttrain.eval.items import EvalItem
-    from posttrain.eval.verifiers import verify
 
-    scores = []
-    for completion, line in zip(completions, record, strict=True):
-        text = completion[-1]["content"] if isinstance(completion, list) else completion
-        scores.append(verify(EvalItem.from_rl_prompt(RLPrompt.model_validate_json(line)), text).score)
-    return scores
+    parsed: dict[str, RLPrompt] = {}
+
+    def verifier_reward(completions: list, record: list[str], **_columns) -> list[float]:
+        prompts = [parsed.setdefault(line, RLPrompt.model_validate_json(line)) for line in record]
+        texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+        return reward_function.score(prompts, texts).rewards
+
+    return verifier_reward
 
 
 def step_figures(gate: StepGate, warmup: int, prompts_per_step: int, completion_tokens: list[float]) -> dict:
@@ -195,6 +198,7 @@ def run_posttrain_child(spec: dict) -> dict:
         "rl.aggregation": "token_mean",
         "rl.updates_per_rollout": 1,
         "rl.dynamic_sampling": "false",  # TRL has no equivalent: one draw of prompts per step
+        "reward.workers": spec["reward_workers"],
         "metrics.tensorboard": "false",  # TRL runs with report_to="none"
     }
     gate = StepGate(*spec["gate_fds"])
@@ -232,6 +236,7 @@ def run_trl_child(spec: dict) -> dict:
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.data.chat import as_message_dicts
+    from posttrain.rl.rewards import RewardConfig, RewardFunction
 
     torch.set_num_threads(spec["threads"])
     records = read_prompts(spec["data"])
@@ -288,11 +293,13 @@ def run_trl_child(spec: dict) -> dict:
         def on_step_end(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
             gate.step_done()
 
+    reward_function = RewardFunction(RewardConfig(workers=spec["reward_workers"]))
     trainer = GRPOTrainer(
-        model=model, reward_funcs=[verifier_reward], args=args, train_dataset=dataset,
+        model=model, reward_funcs=[trl_reward(reward_function)], args=args, train_dataset=dataset,
         processing_class=tokenizer, callbacks=[Gated()],
     )
-    trainer.train()
+    with reward_function:
+        trainer.train()
     logged = [entry for entry in trainer.state.log_history if "completions/mean_length" in entry]
     tokens = [completions * entry["completions/mean_length"] for entry in logged]
     figures = step_figures(gate, spec["warmup_steps"], spec["prompts_per_step"], tokens)
@@ -330,6 +337,8 @@ def combine(runs: list[dict]) -> dict:
         "mean_completion_tokens_per_step": round(mean_tokens, 1),
         "per_repeat_prompts_per_s": [round(r["prompts_per_s"], 3) for r in runs],
         "per_repeat_peak_rss_mb": [round(r["peak_rss_mb"], 1) for r in runs],
+        # The run's process plus its reward pool workers, sampled every 50 ms.
+        "tree_peak_rss_mb": round(max(r.get("tree_peak_rss_mb", 0.0) for r in runs), 1),
         "mean_reward": round(statistics.fmean(x for r in runs for x in r["reward_mean"]), 4),
     }
     if all("zero_signal_group_share" in r for r in runs):  # groups whose G rewards are all equal
@@ -348,6 +357,7 @@ def ratios(pooled: dict, results: dict, schedule: str) -> dict:
         "prompts_per_s": round(ours["prompts_per_s"] / theirs["prompts_per_s"], 3),
         "prompts_per_s_per_repeat": per_repeat,
         "peak_rss": round(ours["peak_rss_mb"] / theirs["peak_rss_mb"], 3),
+        "tree_peak_rss": round(ours["tree_peak_rss_mb"] / theirs["tree_peak_rss_mb"], 3),
         "step_cpu_s": round(theirs["median_step_cpu_s"] / ours["median_step_cpu_s"], 3),
     }
     if schedule == "interleaved":
@@ -378,6 +388,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--wait-policy", choices=("PASSIVE", "ACTIVE"), default="PASSIVE",
         help="OMP_WAIT_POLICY in every run (PASSIVE: posttrain's default, right on shared cores; benchmarks/README.md 'threads')",
     )
+    parser.add_argument("--reward-workers", type=int, default=2,
+                        help="reward pool processes (posttrain.rl.rewards; the same in both frameworks)")
     parser.add_argument("--only", choices=FRAMEWORKS, help="run one framework (no ratios)")
     parser.add_argument(
         "--schedule", choices=("interleaved", "sequential"), default="interleaved",
@@ -409,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompts_per_step": args.prompts_per_step, "group_size": args.group_size,
         "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "steps": args.steps,
         "warmup_steps": args.warmup_steps, "lr": args.lr, "threads": args.threads,
+        "reward_workers": args.reward_workers,
     }
     # Set before torch loads in each child, the same for both: posttrain's CLI would choose PASSIVE only
     # for itself, and too late (the child imports torch first).
@@ -420,7 +433,8 @@ def main(argv: list[str] | None = None) -> int:
         order = frameworks if repeat % 2 == 0 else frameworks[::-1]  # who goes first alternates
         groups = [order] if args.schedule == "interleaved" else [[name] for name in order]
         for group in groups:
-            children = [Child(__file__, name, spec, work_dir, f"{name}-r{repeat}", describe, child_env) for name in group]
+            children = [Child(__file__, name, spec, work_dir, f"{name}-r{repeat}", describe, child_env,
+                              sample_tree_rss=True) for name in group]
             for name, figures in zip(group, drive(children, total_steps), strict=True):
                 results[name].append(figures)
     pooled = {name: combine(runs) for name, runs in results.items()}
@@ -441,6 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats,
         "schedule": args.schedule,
         "omp_wait_policy": args.wait_policy,
+        "reward_workers": args.reward_workers,
         "frameworks": pooled,
     }
     if len(pooled) == 2:

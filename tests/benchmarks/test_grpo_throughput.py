@@ -49,6 +49,7 @@ def test_step_figures_use_the_median_of_the_timed_steps():
 def _run(times, rss, prompts=8):
     return {"prompts_per_s": prompts / sorted(times)[len(times) // 2], "step_times_s": times, "step_cpu_s": times,
             "step_prompts": [prompts] * len(times), "mean_completion_tokens_per_step": 64.0, "peak_rss_mb": rss,
+            "tree_peak_rss_mb": 2 * rss,
             "reward_mean": [0.5], "zero_signal_group_share": [0.25]}
 
 
@@ -66,20 +67,23 @@ def test_repeats_pool_into_one_median_and_the_ratios_follow():
     assert ratios["prompts_per_s"] == 5.0
     assert ratios["prompts_per_s_per_repeat"] == [2.0, 6.0]  # medians 2 vs 4, then 1 vs 6
     assert ratios["peak_rss"] == 0.52
+    assert ratios["tree_peak_rss"] == 0.52  # 1040 / 2000
     # Round by round: 4/1, 4/2, 8/3, 3/1, 6/1, 6/1 -> median of [4, 2, 2.667, 3, 6, 6] = 3.5.
     assert ratios["prompts_per_s_paired"] == 3.5
 
 
-def test_trl_reward_scores_with_posttrain_verifiers():
+def test_trl_reward_scores_with_posttrain_rewards():
     bench = _load_script()
     from posttrain.data.records import RLPrompt, user
+    from posttrain.rl.rewards import RewardConfig, RewardFunction
 
     record = RLPrompt(prompt=[user("What is 8 - 4?")], answer="4", verifier="numeric",
                       meta={"verifier_options": {"tolerance": 0}}).model_dump_json()
     completions = [[{"role": "assistant", "content": "The answer is 4."}],
                    [{"role": "assistant", "content": "5"}],
                    "4"]  # a plain-text completion (non-conversational prompts)
-    assert bench.verifier_reward(completions, [record] * 3) == [1.0, 0.0, 1.0]
+    with RewardFunction(RewardConfig(workers=0)) as reward_function:
+        assert bench.trl_reward(reward_function)(completions, [record] * 3) == [1.0, 0.0, 1.0]
 
 
 def test_both_frameworks_get_the_same_prompt_token_ids(tiny_model_dir):
@@ -114,6 +118,8 @@ def test_tiny_trl_run_prints_one_json_line(tiny_model_dir, tmp_path):
     assert figures["steps_timed"] == 2
     assert figures["prompts_per_s"] == pytest.approx(2 / figures["median_step_s"], rel=1e-2)
     assert figures["peak_rss_mb"] > 0
+    # The tree adds the two reward pool workers to the run's own process.
+    assert figures["tree_peak_rss_mb"] > figures["peak_rss_mb"]
     # 2 prompts x G=2 completions of at most 4 tokens per step.
     assert 0 < figures["mean_completion_tokens_per_step"] <= 2 * 2 * 4
     assert report["same_prompt_ids"] is True
