@@ -75,6 +75,15 @@ def broadcast_object(obj):
     return holder[0]
 
 
+def gather_objects(obj) -> list:
+    """Every rank's ``obj`` (picklable), in rank order, on every rank; ``[obj]`` in one process."""
+    if not dist.is_initialized():
+        return [obj]
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
 def destroy() -> None:
     # Every rank reaches the same point before the group goes away: a rank that tears down gloo while
     # a peer still has work in flight can abort at exit ("terminate called without an active exception").

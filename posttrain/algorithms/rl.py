@@ -222,3 +222,26 @@ def clip_fractions(stat_sums: Mapping[str, float | torch.Tensor]) -> dict[str, f
     if "kl_sum" in stat_sums:
         out["kl"] = float(stat_sums["kl_sum"]) * scale
     return out
+
+
+# --- reward shaping -----------------------------------------------------------------------------
+
+
+def overlong_penalty(length: int, max_new_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), as a non-negative amount to subtract.
+
+    With ``L = max_new_tokens`` and a buffer of ``B`` tokens::
+
+        0                                   if length <= L - B
+        penalty * (length - (L - B)) / B    if L - B < length <= L
+
+    so a completion is punished more the deeper it runs into the last ``B`` tokens before the cap, and a
+    completion at the cap loses ``penalty``. DAPO's third case (``length > L``: −1) cannot happen here:
+    generation stops at ``L``. ``B = 0`` turns the shaping off.
+    """
+    if buffer <= 0:
+        return 0.0
+    if buffer >= max_new_tokens:
+        raise ValueError(f"the overlong buffer ({buffer}) must be shorter than max_new_tokens ({max_new_tokens})")
+    over = length - (max_new_tokens - buffer)
+    return penalty * min(max(over, 0), buffer) / buffer

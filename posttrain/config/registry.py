@@ -23,7 +23,8 @@ class RecipeSpec:
 RECIPES: dict[str, RecipeSpec] = {}
 
 # Modules whose import registers recipes. Each feature registers its own recipe next to its code.
-_BUILTIN_MODULES = ("posttrain.config.recipes", "posttrain.curate.config", "posttrain.config.preference", "posttrain.flywheel.config")
+_BUILTIN_MODULES = ("posttrain.config.recipes", "posttrain.curate.config", "posttrain.config.preference", "posttrain.config.rl",
+                    "posttrain.flywheel.config")
 
 
 def register_recipe(name: str, schema: type[BaseModel], runner: str, summary: str) -> None:

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser("data", help="Data tools: inspect a data file (formats, counts, lengths, errors).")
+    parser = subparsers.add_parser("data", help="Data tools: inspect a data file (formats, counts, lengths, errors); write the built-in tasks.")
     sub = parser.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     inspect = sub.add_parser(
         "inspect",
@@ -52,6 +52,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="tokenise at most this many records for the length statistics (default: all)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     inspect.set_defaults(func=_inspect)
+    from posttrain.data.builtin_tasks import add_parser
+
+    add_parser(sub)
 
 
 # ------------------------------------------------------------------------------------ statistics

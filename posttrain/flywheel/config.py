@@ -1,4 +1,4 @@
-"""The ``flywheel`` recipe: one round of curate → SFT → rejection sampling → DPO → eval → report."""
+"""The ``flywheel`` recipe: one round of curate → SFT → rejection sampling → DPO (→ GRPO) → eval → report."""
 
 from __future__ import annotations
 
@@ -45,6 +45,17 @@ class EvalSpec(StrictModel):
     n_perm: int = Field(default=5000, ge=100)
 
 
+class RLStageSpec(StageRecipe):
+    """The optional GRPO stage after DPO (``posttrain quickstart --rl``): the DPO model trained with the
+    verifier reward on the round's RL prompts of ``groups``."""
+
+    enabled: bool = Field(default=False, description="Run GRPO after DPO and evaluate it (quickstart --rl).")
+    groups: list[str] = Field(default_factory=lambda: ["reasoning"],
+                              description="Capability groups whose RL prompts GRPO trains on.")
+    eval_prompts: int = Field(default=64, ge=0, description="Held-out RL prompts for the reward curve at "
+                              "train.eval_every (0: none).")
+
+
 class FlywheelRecipe(StrictModel):
     recipe: Literal["flywheel"] = "flywheel"
     run_dir: str = "runs/quickstart"
@@ -55,6 +66,7 @@ class FlywheelRecipe(StrictModel):
     sft: StageRecipe
     sample: StageRecipe
     dpo: StageRecipe
+    grpo: RLStageSpec | None = Field(default=None, description="Optional GRPO stage after DPO (quickstart --rl).")
     eval: EvalSpec = Field(default_factory=EvalSpec)
     threads: int | None = Field(
         default=None, ge=1, description="torch threads; default: OMP_NUM_THREADS, else all cores (posttrain.threads)."

@@ -1,8 +1,8 @@
 """The flywheel report: one self-contained ``report.html`` (plotly.js inlined, no network) + ``report.json``.
 
 Charts: the curation funnel, the tier mix over SFT steps, loss and grad-norm curves for SFT and
-DPO, DPO reward margin and preference accuracy, and the score jump per capability and composite
-with 95% CI bars. A small script at the end of the page records JavaScript errors and checks that
+DPO, DPO reward margin and preference accuracy, the GRPO reward curve and pass rate by tier (when the
+round ran GRPO), and the score jump per capability and composite with 95% CI bars. A small script at the end of the page records JavaScript errors and checks that
 every chart drew data (``#render-check``), so a headless browser test can read the verdict.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 
 from posttrain.data.io import read_jsonl
 
-MODELS = ("base", "sft", "dpo")
+MODELS = ("base", "sft", "dpo")  # every round; "grpo" joins them when the round ran its GRPO stage
 # How to read the comparison lines under the score table (the same rules as `posttrain eval compare`).
 READING_THE_VERDICTS = (
     "How to read these lines: each change comes with the confidence interval that inverts its own paired "
@@ -28,7 +28,7 @@ READING_THE_VERDICTS = (
     "each model's own score with a bootstrap CI; judge a change by its paired interval here, not by whether "
     "two bars overlap."
 )
-COLORS = {"base": "#9aa5b1", "sft": "#3d7ddb", "dpo": "#e0662b"}
+COLORS = {"base": "#9aa5b1", "sft": "#3d7ddb", "dpo": "#e0662b", "grpo": "#2a9d5c"}
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
@@ -44,9 +44,29 @@ def _steps(path: Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
-def collect(run_dir: Path) -> dict[str, Any]:
+def _grpo_series(run_dir: Path) -> dict[str, Any] | None:
+    """The GRPO stage's curves: reward and pass rates per step (by tier too) and the held-out reward."""
+    path = run_dir / "grpo" / "metrics.jsonl"
+    if not path.exists():
+        return None
+    rows = _read_jsonl(path)
+    steps = _steps(path)
+    evals = [r for r in rows if "eval/reward" in r]
+    tier_keys = sorted({k for r in steps for k in r if k.startswith("pass@1/tier_")})
+    return {
+        "step": [r["step"] for r in steps],
+        "reward": [r.get("reward_mean") for r in steps],
+        "pass@1": [r.get("pass@1") for r in steps],
+        "tiers": {k.removeprefix("pass@1/"): [r.get(k) for r in steps] for k in tier_keys},
+        "eval_step": [r["step"] for r in evals],
+        "eval_reward": [r["eval/reward"] for r in evals],
+        "eval_pass@1": [r.get("eval/pass@1") for r in evals],
+    }
+
+
+def collect(run_dir: Path, models: tuple[str, ...] = MODELS) -> dict[str, Any]:
     """Everything the report shows, as plain numbers (also written as report.json)."""
-    evals = {m: json.loads((run_dir / f"eval_{m}" / "results.json").read_text()) for m in MODELS}
+    evals = {m: json.loads((run_dir / f"eval_{m}" / "results.json").read_text()) for m in models}
     comparisons = json.loads((run_dir / "compare" / "comparisons.json").read_text())
     funnel_path = run_dir / "curate" / "funnel.json"
     sample_funnel = run_dir / "sample" / "funnel.json"
@@ -68,7 +88,9 @@ def collect(run_dir: Path) -> dict[str, Any]:
             "margin": [r.get("rewards/margin") for r in dpo],
             "accuracy": [r.get("rewards/accuracy") for r in dpo],
         },
-        "scores": {m: evals[m]["scores"] for m in MODELS},
+        "grpo": _grpo_series(run_dir) if "grpo" in models else None,
+        "models": list(models),
+        "scores": {m: evals[m]["scores"] for m in models},
         "comparisons": {
             name: {key: result[key] for key in ("composite", "groups", "tiers", "summary") if key in result}
             for name, result in comparisons.items()
@@ -114,10 +136,23 @@ def _figures(data: dict[str, Any]) -> list[tuple[str, Any]]:
     fig.update_layout(title="DPO: implicit reward margin and preference accuracy")
     figures.append(("dpo", fig))
 
+    grpo = data.get("grpo")
+    if grpo:
+        fig = make_subplots(rows=1, cols=2, subplot_titles=("reward and pass@1 of the samples", "pass@1 by tier"))
+        fig.add_scatter(x=grpo["step"], y=grpo["reward"], name="reward (mean)", mode="lines", row=1, col=1)
+        fig.add_scatter(x=grpo["step"], y=grpo["pass@1"], name="pass@1", mode="lines", row=1, col=1)
+        if grpo["eval_step"]:
+            fig.add_scatter(x=grpo["eval_step"], y=grpo["eval_reward"], name="held-out reward (greedy)",
+                            mode="lines+markers", row=1, col=1)
+        for tier, values in grpo["tiers"].items():
+            fig.add_scatter(x=grpo["step"], y=values, name=tier.replace("_", " "), mode="lines", row=1, col=2)
+        fig.update_layout(title="GRPO: reward curve and pass rate by tier (training samples)")
+        figures.append(("grpo", fig))
+
     groups = sorted(data["scores"]["base"]["groups"])
     labels = [*groups, "composite"]
     fig = go.Figure()
-    for model in MODELS:
+    for model in data["models"]:
         scores = data["scores"][model]
         rows = [scores["groups"][g] for g in groups] + [scores["composite"]]
         fig.add_bar(
@@ -155,18 +190,19 @@ def _table(data: dict[str, Any]) -> str:
     groups = sorted(data["scores"]["base"]["groups"])
     for label in [*groups, "composite"]:
         cells = []
-        for model in MODELS:
+        for model in data["models"]:
             s = data["scores"][model]["composite"] if label == "composite" else data["scores"][model]["groups"][label]
             cells.append(f"<td>{s['score']:.1f} <small>[{s['ci_low']:.1f}, {s['ci_high']:.1f}]</small></td>")
         rows.append(f"<tr><th>{html.escape(label)}</th>{''.join(cells)}</tr>")
-    head = "<tr><th></th>" + "".join(f"<th>{m}</th>" for m in MODELS) + "</tr>"
+    head = "<tr><th></th>" + "".join(f"<th>{m}</th>" for m in data["models"]) + "</tr>"
     return f"<table>{head}{''.join(rows)}</table>"
 
 
-def build_report(run_dir: Path, config: Any, timings: dict[str, float]) -> dict[str, Any]:
+def build_report(run_dir: Path, config: Any, timings: dict[str, float], models: tuple[str, ...] = MODELS
+                 ) -> dict[str, Any]:
     import plotly.io as pio
 
-    data = collect(run_dir)
+    data = collect(run_dir, models)
     data["timings_s"] = timings
     summary = []
     for name, comparison in data["comparisons"].items():

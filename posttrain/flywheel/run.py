@@ -1,7 +1,8 @@
 """Run one flywheel round as cached stages (see ``posttrain.flywheel.stages``).
 
 data → base model (pretrained here) → curate → SFT (tiered curriculum) → rejection sampling →
-DPO → eval of base, SFT and DPO → paired comparisons → ``report.html`` + ``report.json``.
+DPO → (GRPO with the verifier reward, with ``grpo.enabled``) → eval of every model → paired
+comparisons → ``report.html`` + ``report.json``.
 
 Every stage runs the same recipe code a user runs from the CLI; the flywheel only wires paths.
 """
@@ -107,6 +108,25 @@ def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Pa
     return {"results": str(path), "composite": composite["score"], "ci": [composite["ci_low"], composite["ci_high"]]}
 
 
+def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Path) -> dict[str, Any]:
+    """GRPO on the round's RL prompts of ``grpo.groups`` (the last ``grpo.eval_prompts`` held out for the
+    reward curve), starting from ``model``."""
+    from posttrain.data.io import iter_jsonl, write_jsonl
+
+    spec = config.grpo
+    assert spec is not None
+    rows = [row for _, row in iter_jsonl(data["prompts"]) if row.get("group") in spec.groups]
+    held = min(spec.eval_prompts, len(rows) // 4)
+    if len(rows) - held < 1:
+        raise RuntimeError(f"no RL prompts of groups {spec.groups} in {data['prompts']}; raise data.rl_prompts")
+    write_jsonl(str(out / "prompts.jsonl"), rows[: len(rows) - held])
+    wiring = {"model.path": model, "data.train": str(out / "prompts.jsonl"), "output_dir": str(out)}
+    if held:
+        write_jsonl(str(out / "eval_prompts.jsonl"), rows[len(rows) - held :])
+        wiring["data.eval"] = str(out / "eval_prompts.jsonl")
+    return _run_and_list("grpo", spec, wiring, out)
+
+
 def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> dict[str, Any]:
     from posttrain.eval.stats import compare_results
 
@@ -114,7 +134,8 @@ def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> d
         return json.loads(Path(evals[name]).read_text())
 
     comparisons = {}
-    for base, new in (("base", "sft"), ("sft", "dpo"), ("base", "dpo")):
+    pairs = [("base", "sft"), ("sft", "dpo"), ("base", "dpo")] + ([("dpo", "grpo")] if "grpo" in evals else [])
+    for base, new in pairs:
         result = compare_results(load(base), load(new), n_perm=config.eval.n_perm,
                                  seed=config.seed)
         comparisons[f"{base}->{new}"] = result
@@ -130,8 +151,9 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir)
     dump = config.model_dump(mode="json")
-    for stage in ("curate", "sft", "sample", "dpo"):  # fault-injection drills do not change a stage's result
-        dump[stage]["overrides"] = {k: v for k, v in dump[stage]["overrides"].items() if not k.startswith("debug.")}
+    for stage in ("curate", "sft", "sample", "dpo", "grpo"):  # fault-injection drills do not change a result
+        if dump.get(stage) is not None:
+            dump[stage]["overrides"] = {k: v for k, v in dump[stage]["overrides"].items() if not k.startswith("debug.")}
     try:
         data_key = {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents}
         data = runner.run("data", data_key, [], lambda out: stage_data(config, out))
@@ -150,6 +172,10 @@ def run_flywheel(config: FlywheelRecipe) -> int:
         recipe_stage("dpo", ["sft", "sample"],
                      lambda out: {"model.path": sft_model, "data.train": _pairs(run_dir), "data.eval": None})
         models = {"base": base["model"], "sft": sft_model, "dpo": str(run_dir / "dpo" / "final")}
+        if config.grpo is not None and config.grpo.enabled:
+            runner.run("grpo", dump["grpo"], ["dpo", "data"],
+                       lambda out: stage_grpo(config, data, models["dpo"], out))
+            models["grpo"] = str(run_dir / "grpo" / "final")
         evals = {}
         for label, model_path in models.items():
             result = runner.run(
@@ -157,11 +183,11 @@ def run_flywheel(config: FlywheelRecipe) -> int:
                 lambda out, m=model_path, lab=label: stage_eval(m, data["suite"], config, out, lab),
             )
             evals[label] = result["results"]
-        runner.run("compare", dump["eval"], ["eval_base", "eval_sft", "eval_dpo"],
+        runner.run("compare", dump["eval"], [f"eval_{label}" for label in models],
                    lambda out: stage_compare(evals, config, out))
         from posttrain.flywheel.report import build_report
 
-        report = build_report(run_dir, config, runner.timings())
+        report = build_report(run_dir, config, runner.timings(), tuple(models))
     except StageInterrupted as exc:
         print(f"[flywheel] {exc}", file=sys.stderr)
         return EXIT_RESUMABLE

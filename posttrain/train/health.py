@@ -56,6 +56,10 @@ class HealthGuard:
     window: int = 64
     max_consecutive: int = 3
     enabled: bool = True
+    # An RL loss is a sum of advantage-weighted ratios around zero: its size says nothing about health,
+    # and a ratio test against a near-zero history would flag ordinary steps. RL watches the gradient
+    # norm (and non-finite losses) only.
+    watch_loss: bool = True
     losses: deque = field(default_factory=deque)
     grad_norms: deque = field(default_factory=deque)
     consecutive_bad: int = 0
@@ -67,7 +71,8 @@ class HealthGuard:
         if not math.isfinite(loss) or not math.isfinite(grad_norm):
             reason = f"non-finite (loss={loss}, grad_norm={grad_norm})"
         elif self.losses:
-            for name, value, history in (("loss", loss, self.losses), ("grad norm", grad_norm, self.grad_norms)):
+            watched = [("loss", loss, self.losses)] if self.watch_loss else []
+            for name, value, history in [*watched, ("grad norm", grad_norm, self.grad_norms)]:
                 largest = max(abs(h) for h in history)
                 if largest > 0 and abs(value) > self.spike_ratio * largest:
                     reason = (f"spike ({name} {value:.4g} is {abs(value) / largest:.0f}x the largest of the last "

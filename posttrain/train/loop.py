@@ -343,11 +343,7 @@ def _evaluate(model: torch.nn.Module, settings: LoopSettings, sink: MetricsSink,
 
 def _log_units(output_dir: Path, step: int, unit_ids: list[str]) -> None:
     """``units.jsonl``: which units each rank trained on at each step (``debug.log_unit_ids``)."""
-    gathered = [None] * dist.world_size()
-    if dist.initialized():
-        torch.distributed.all_gather_object(gathered, unit_ids)
-    else:
-        gathered = [unit_ids]
+    gathered = dist.gather_objects(unit_ids)
     if dist.is_main():
         append_jsonl(str(output_dir / "units.jsonl"),
                      [{"step": step, "rank": rank, "ids": ids} for rank, ids in enumerate(gathered)])

@@ -419,3 +419,13 @@ def test_registries_hold_the_documented_entries_and_refuse_duplicates():
     with pytest.raises(ValueError, match=r"'token_mean' is already registered .*token_mean_numerator"):
         AGGREGATIONS.add("token_mean", Aggregation(existing.numerator, "tokens"))
     assert AGGREGATIONS.get("token_mean") is existing
+
+
+def test_overlong_penalty_ramps_over_the_buffer():
+    from posttrain.algorithms.rl import overlong_penalty
+
+    # L = 20, B = 4: free up to 16 tokens, then 1/4 of the penalty per token, the whole penalty at 20.
+    assert [overlong_penalty(n, 20, 4, 2.0) for n in (10, 16, 17, 18, 20)] == [0.0, 0.0, 0.5, 1.0, 2.0]
+    assert overlong_penalty(20, 20, 0) == 0.0  # buffer 0: off
+    with pytest.raises(ValueError, match="shorter than max_new_tokens"):
+        overlong_penalty(5, 8, 8)

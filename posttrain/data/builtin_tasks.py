@@ -1,0 +1,60 @@
+"""``posttrain data tasks``: write the built-in verifiable tasks (``posttrain.tasks``) as a data file.
+
+The embedded default's problems, with answer keys and verifiers, in the three tiers: RL prompts for
+``posttrain grpo`` / ``posttrain sample``, SFT examples, or eval items. Train and eval splits never share
+a problem (``posttrain.tasks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+KINDS = ("rl", "sft", "eval")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    tasks = sub.add_parser(
+        "tasks",
+        help="Write the built-in verifiable tasks (RL prompts, SFT examples or eval items) as JSONL.",
+        description="Write N built-in problems (reasoning, instruction following, transformation; tiers 1-3) "
+        "with their answer keys and verifiers to OUT as JSONL: `rl` prompts for posttrain grpo / sample, `sft` "
+        "examples, or `eval` items (the eval split, never trained on).",
+    )
+    tasks.add_argument("kind", choices=KINDS, help="what to write")
+    tasks.add_argument("out", help="output .jsonl path")
+    tasks.add_argument("-n", type=int, default=512, help="number of records (eval: items per group × tier cell "
+                       "is n // 9, at least 1; default 512)")
+    tasks.add_argument("--seed", type=int, default=0, help="seed of the problem generators (default 0)")
+    tasks.add_argument("--group", action="append", dest="groups", metavar="GROUP",
+                       help="only this capability group (reasoning, instruction_following, transformation); "
+                       "repeat for several (default: all; rl and sft only)")
+    tasks.add_argument("--tier", action="append", dest="tiers", type=int, choices=(1, 2, 3),
+                       help="only this tier; repeat for several (default: all; rl and sft only)")
+    tasks.set_defaults(func=_write_tasks)
+
+
+def _write_tasks(args: argparse.Namespace) -> int:
+    from posttrain.data.io import write_jsonl, write_records
+    from posttrain.tasks.emit import flywheel_suite, rl_prompts, sft_examples
+    from posttrain.tasks.problem import GROUPS
+
+    unknown = [g for g in args.groups or () if g not in GROUPS]
+    if args.n < 1 or unknown:
+        problem = f"-n must be >= 1 (got {args.n})" if args.n < 1 else f"unknown --group {unknown[0]!r}"
+        print(f"posttrain data tasks: {problem}; groups are {', '.join(GROUPS)}", file=sys.stderr)
+        return 2
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    if args.kind == "eval":
+        items = flywheel_suite(n_per_cell=max(1, args.n // 9), seed=args.seed).items
+        write_jsonl(str(out), [item.model_dump(mode="json") for item in items])
+        count = len(items)
+    else:
+        records = (rl_prompts if args.kind == "rl" else sft_examples)(args.n, args.seed, groups=args.groups,
+                                                                       tiers=args.tiers)
+        write_records(str(out), records)
+        count = len(records)
+    print(f"[posttrain] wrote {count} {args.kind} records to {out}", file=sys.stderr)
+    return 0

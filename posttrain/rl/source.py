@@ -1,0 +1,299 @@
+"""The GRPO step source: each optimizer step's batch is sampled from the policy being trained.
+
+``next_step(step, model)``:
+1. draw ``train.global_batch_size`` prompts (``PromptSampler``: the same draw on every rank);
+2. each rank samples ``rl.group_size`` completions for its share of the prompts from the *current*
+   weights, recording each token's log-probability under the sampling policy (the ratio's old policy);
+3. each rank scores its completions (``reward``), adds the overlong shaping, and every rank receives
+   every group (one ``all_gather_object`` of token ids, log-probs and rewards — small next to a step);
+4. with ``rl.dynamic_sampling``, groups whose rewards are all equal are dropped and more prompts are
+   drawn (at most ``rl.max_sampling_rounds`` draws; a batch still short is filled with zero-signal
+   groups and counted);
+5. advantages over the global batch (``rl.advantage``), then the batch is cut the way
+   ``BatchGeometry`` cuts a stream — rank ``r``'s micro-batch ``a`` holds completions
+   ``(a·W + r)·B …`` of the global batch — so the step does not depend on the number of ranks; with
+   ``rl.updates_per_rollout = U`` the global batch is ``U`` consecutive mini-batches, one update each,
+   each normalised by its own global token / sequence count (``rl.aggregation``).
+
+Randomness: completion ``s`` of the prompt at global draw position ``j`` of step ``t`` (positions
+count on through the rounds of dynamic sampling) is sampled from a generator seeded by
+``(train.seed, t, j, s)``, whichever rank samples it. So a
+resumed run (same weights, same sampler state) samples the same completions, and 1 and 2 ranks sample
+the same batch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from posttrain import dist
+from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, overlong_penalty
+from posttrain.data.records import RLPrompt
+from posttrain.rl.prompts import PromptSampler
+from posttrain.train.source import BatchGeometry, StepBatch
+
+
+@dataclass
+class Sample:
+    """One scored completion, as every rank sees it after the gather."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+    reward: float
+    passed: bool | None
+
+
+@dataclass
+class Group:
+    position: int  # global draw position within the step (round-major): the sampling order
+    prompt_index: int
+    samples: list[Sample]
+
+    @property
+    def rewards(self) -> list[float]:
+        return [s.reward for s in self.samples]
+
+    @property
+    def has_signal(self) -> bool:
+        return max(self.rewards) > min(self.rewards)
+
+
+def step_seed(seed: int, step: int) -> int:
+    """The sampling seed of one step; with a prompt's draw position as its key (``prompt_keys``) the engine
+    gives each completion its own generator. A fixed mixing, not Python's ``hash``, which is not promised
+    to stay the same across Python versions."""
+    return (seed * 1_000_003 + step + 1) % (2**31 - 1)
+
+
+class GRPOSource:
+    """See the module docstring. ``sampler`` draws prompts, ``rollouts`` samples, ``rewards`` scores."""
+
+    name = "grpo"
+
+    def __init__(self, config, prompts: list[RLPrompt], sampler: PromptSampler, rollouts, rewards, total_steps: int,
+                 pad_id: int, reference=None):
+        self.config, self.rl, self.prompts, self.sampler = config, config.rl, prompts, sampler
+        self.rollouts, self.rewards, self.reference, self.pad_id = rollouts, rewards, reference, pad_id
+        self._total = total_steps
+        group = self.rl.group_size
+        self.prompts_per_step = config.train.global_batch
+        self.geometry = BatchGeometry.derive(self.prompts_per_step * group, config.train.batch_size, dist.world_size())
+        if self.geometry.grad_accum % self.rl.updates_per_rollout:
+            raise ValueError(
+                f"each rank's {self.geometry.grad_accum} micro-batch(es) per step do not split into "
+                f"rl.updates_per_rollout={self.rl.updates_per_rollout} updates; lower train.batch_size or change "
+                "rl.updates_per_rollout")
+        self.aggregation = AGGREGATIONS.get(self.rl.aggregation)
+        self.advantage = ADVANTAGES.get(self.rl.advantage)
+        self.counters: Counter = Counter()
+        self._pending: dict[int, tuple[int, int]] = {}
+        self._log: dict[str, Any] = {}
+        self._sampled_at = 0.0
+        self.last_groups: list[Group] = []
+        self.last_sequences: list[tuple[Sample, float]] = []
+
+    def total_steps(self) -> int:
+        return self._total
+
+    # ------------------------------------------------------------------ sampling
+
+    def _sample_round(self, step: int, indices: list[int], first_position: int) -> list[Group]:
+        """Sample and score this rank's share of ``indices`` (round-robin), gather every rank's groups."""
+        world, rank = dist.world_size(), dist.rank()
+        mine = [(first_position + j, index) for j, index in enumerate(indices) if j % world == rank]
+        started = time.perf_counter()
+        sampled = self.rollouts([self.prompts[index] for _, index in mine], [position for position, _ in mine],
+                                step_seed(self.config.train.seed, step))
+        self._log["time/generate_s"] = self._log.get("time/generate_s", 0.0) + time.perf_counter() - started
+        started = time.perf_counter()
+        flat_prompts = [self.prompts[index] for (_, index), group in zip(mine, sampled, strict=True) for _ in group]
+        flat = [rollout for group in sampled for rollout in group]
+        scored = self.rewards.score(flat_prompts, [rollout.text for rollout in flat])
+        self.counters.update({f"reward_failure/{why}": n for why, n in scored.failures.items()})
+        self._log["time/reward_s"] = self._log.get("time/reward_s", 0.0) + time.perf_counter() - started
+        groups, at = [], 0
+        for (position, index), group in zip(mine, sampled, strict=True):
+            samples = []
+            for rollout in group:
+                reward = scored.rewards[at] - overlong_penalty(len(rollout.completion_ids), self.rl.max_new_tokens,
+                                                               self.rl.overlong_buffer, self.rl.overlong_penalty)
+                samples.append(Sample(list(rollout.prompt_ids), list(rollout.completion_ids), list(rollout.logprobs),
+                                      bool(rollout.truncated), float(reward), scored.passed[at]))
+                at += 1
+            groups.append(Group(position, index, samples))
+        gathered = [g for part in dist.gather_objects(groups) for g in part]
+        return sorted(gathered, key=lambda g: g.position)
+
+    def _draw_groups(self, step: int) -> tuple[list[Group], list[Group]]:
+        """The step's groups (exactly ``prompts_per_step``) and every group sampled (for the metrics)."""
+        wanted = self.prompts_per_step
+        kept: list[Group] = []
+        spare: list[Group] = []
+        drawn: list[Group] = []
+        rounds = self.rl.max_sampling_rounds if self.rl.dynamic_sampling else 1
+        position = 0
+        for round_ in range(rounds):
+            need = wanted - len(kept)
+            if need <= 0:
+                break
+            indices = self.sampler.draw(step, need if self.rl.dynamic_sampling else wanted)
+            groups = self._sample_round(step, indices, position)
+            position += len(indices)
+            drawn += groups
+            for group in groups:
+                if not self.rl.dynamic_sampling or group.has_signal:
+                    kept.append(group)
+                else:
+                    spare.append(group)
+            self._log["sampling_rounds"] = round_ + 1
+        if len(kept) < wanted:
+            short = wanted - len(kept)
+            self.counters["dynamic_sampling_short"] += short
+            kept += spare[:short]
+        return kept[:wanted], drawn
+
+    # ------------------------------------------------------------------ the batch
+
+    def _metrics(self, drawn: list[Group], kept: list[Group]) -> dict[str, Any]:
+        samples = [s for g in drawn for s in g.samples]
+        rewards = torch.tensor([s.reward for s in samples], dtype=torch.float64)
+        lengths = [len(s.completion_ids) for s in samples]
+        tokens = sum(lengths)
+        record: dict[str, Any] = {
+            "reward_mean": float(rewards.mean()),
+            "reward_std": float(rewards.std(unbiased=False)),
+            "completion_len_mean": tokens / len(samples),
+            "completion_len_max": max(lengths),
+            "truncated_share": sum(s.truncated for s in samples) / len(samples),
+            "zero_signal_share": sum(not g.has_signal for g in drawn) / len(drawn),
+            "generated_tokens": tokens,
+            "prompts_sampled": len(drawn),
+        }
+        verdicts = [s.passed for s in samples if s.passed is not None]
+        if verdicts:
+            record["pass@1"] = sum(verdicts) / len(verdicts)
+            record[f"pass@{self.rl.group_size}"] = sum(any(s.passed for s in g.samples) for g in drawn) / len(drawn)
+            by_tier: dict[int, list[bool]] = {}
+            for g in drawn:
+                tier = self.prompts[g.prompt_index].tier
+                if tier is not None:
+                    by_tier.setdefault(tier, []).extend(s.passed for s in g.samples if s.passed is not None)
+            for tier, passed in sorted(by_tier.items()):
+                if passed:
+                    record[f"pass@1/tier_{tier}"] = sum(passed) / len(passed)
+        record["kept_groups_with_signal"] = sum(g.has_signal for g in kept)
+        return record
+
+    def _advantages(self, kept: list[Group]) -> torch.Tensor:
+        rewards = torch.tensor([s.reward for g in kept for s in g.samples], dtype=torch.float32)
+        group_ids = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
+        return self.advantage(rewards, group_ids, self.rl.advantage_eps)
+
+    def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:  # noqa: ARG002 - rollouts hold the model
+        self._log = {}
+        kept, drawn = self._draw_groups(step)
+        outcomes: dict[int, tuple[int, int]] = {}
+        for group in drawn:
+            verdicts = [s.passed for s in group.samples if s.passed is not None]
+            if verdicts:
+                passed, tried = outcomes.get(group.prompt_index, (0, 0))
+                outcomes[group.prompt_index] = (passed + sum(verdicts), tried + len(verdicts))
+        self._pending = outcomes
+        advantages = self._advantages(kept).tolist()
+        sequences = [(s, a) for s, a in zip([s for g in kept for s in g.samples], advantages, strict=True)]
+        self.last_groups, self.last_sequences = kept, sequences  # the step as trained, for inspection
+        counted = [not (self.rl.mask_truncated and s.truncated) for s, _ in sequences]
+        geometry, updates = self.geometry, self.rl.updates_per_rollout
+        per_update = len(sequences) // updates
+        normalizers = []
+        for u in range(updates):
+            part = range(u * per_update, (u + 1) * per_update)
+            loss_tokens = sum(len(sequences[i][0].completion_ids) for i in part if counted[i])
+            sequences_counted = sum(counted[i] for i in part)
+            # Every completion of the update masked (all truncated under rl.mask_truncated): its loss is 0;
+            # divide by 1 rather than refuse the step.
+            normalizers.append(float(self.aggregation.denominator(total_tokens=max(loss_tokens, 1),
+                                                                  total_sequences=max(sequences_counted, 1))))
+        micro_batches = []
+        for micro in range(geometry.grad_accum):
+            span = geometry.micro_slice(0, micro, dist.rank())
+            update = (span.start // per_update)
+            batch = self.collate([sequences[i] for i in range(span.start, span.stop)],
+                                 [counted[i] for i in range(span.start, span.stop)])
+            # Metric sums are divided by the update's normaliser in the log; scaling them by
+            # normaliser / loss tokens here makes the logged figure a per-token mean whatever the aggregation.
+            tokens_in_update = sum(len(sequences[i][0].completion_ids) for i in
+                                   range(update * per_update, (update + 1) * per_update) if counted[i])
+            batch["metric_scale"] = normalizers[update] / max(tokens_in_update, 1)
+            micro_batches.append(batch)
+        if self.reference is not None:
+            for batch in micro_batches:
+                batch["ref_logprobs"] = self.reference(batch)
+        self._log.update(self._metrics(drawn, kept))
+        self._log.update({key: value for key, value in self.counters.items()})
+        self._log["sampler_skipped"] = self.sampler.skipped
+        total_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
+        loss_tokens = sum(len(s.completion_ids) for (s, _), c in zip(sequences, counted, strict=True) if c)
+        self._sampled_at = time.perf_counter()
+        return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
+                         loss_tokens=loss_tokens, log=self._log,
+                         unit_ids=[self.prompts[g.prompt_index].id for g in kept])
+
+    def collate(self, sequences: list[tuple[Sample, float]], counted: list[bool]) -> dict[str, Any]:
+        """Right-padded rows of prompt + completion; labels only on counted completions' tokens."""
+        from posttrain.models.logprobs import IGNORE_INDEX
+
+        width = max(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
+        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
+        labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
+        attention = torch.zeros((len(sequences), width), dtype=torch.long)
+        old = []
+        for row, ((sample, _), keep) in enumerate(zip(sequences, counted, strict=True)):
+            ids = sample.prompt_ids + sample.completion_ids
+            input_ids[row, : len(ids)] = torch.tensor(ids)
+            attention[row, : len(ids)] = 1
+            if keep and sample.completion_ids:
+                start = len(sample.prompt_ids)
+                labels[row, start : len(ids)] = torch.tensor(sample.completion_ids)
+                old.extend(sample.logprobs)
+        device = dist.device()
+        return {
+            "input_ids": input_ids.to(device),
+            "labels": labels.to(device),
+            "attention_mask": attention.to(device),
+            "old_logprobs": torch.tensor(old, dtype=torch.float32, device=device),
+            "advantages": torch.tensor([a for _, a in sequences], dtype=torch.float32, device=device),
+        }
+
+    # ------------------------------------------------------------------ state
+
+    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> None:  # noqa: ARG002
+        # The loop logs the step after end_step from the same dict: the training time lands in it here.
+        self._log["time/train_s"] = time.perf_counter() - self._sampled_at
+        generated = self._log.get("generated_tokens", 0)
+        generate_s = self._log.get("time/generate_s", 0.0)
+        if generate_s > 0:
+            self._log["generated_tokens_per_s"] = generated / generate_s
+        if accepted:
+            self.sampler.record(self._pending)
+        self._pending = {}
+
+    def state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state(), "counters": dict(self.counters),
+                "prompts_per_step": self.prompts_per_step, "group_size": self.rl.group_size}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        for key, mine in (("prompts_per_step", self.prompts_per_step), ("group_size", self.rl.group_size)):
+            if state.get(key, mine) != mine:
+                raise ValueError(f"the checkpoint was written with {key}={state[key]}, this run has {mine}; resume "
+                                 "with the same train.global_batch_size and rl.group_size")
+        self.sampler.load_state(state["sampler"])
+        self.counters = Counter(state.get("counters", {}))
+        self._pending = {}

@@ -1,0 +1,224 @@
+"""``posttrain grpo``: value-free online RL with verifiable rewards on the open loop.
+
+setup → read RL prompts → policy (``build_policy``; ``model.lora`` applies as for SFT) → reward
+function (``posttrain.rl.rewards``) → ``GRPOSource`` (samples each step's batch from the current
+weights, ``posttrain.rl.source``) + the token-level policy loss (``posttrain.algorithms.rl``) → the
+shared loop (health guard, checkpoints with the sampler's state, preemption) → held-out reward → export.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from posttrain import dist
+from posttrain.algorithms.rl import AGGREGATIONS, rl_token_loss
+from posttrain.config.rl import GRPORecipe
+from posttrain.data.errors import DataError
+from posttrain.data.io import read_records
+from posttrain.data.records import RLPrompt
+from posttrain.generate.engine import SamplingParams
+from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.rl.prompts import PromptSampler
+from posttrain.rl.rewards import RewardFunction
+from posttrain.rl.rollout import full_weights, sample_rollouts
+from posttrain.rl.source import GRPOSource
+from posttrain.train.loop import train
+from posttrain.train.parallelize import parallelize
+from posttrain.train.precision import autocast
+from posttrain.train.runner import build_policy, export_final, finish, loop_settings, say, start_run
+from posttrain.train.sft import curriculum_items
+from posttrain.train.stream import Difficulty
+
+
+def read_prompts(config: GRPORecipe, path: str, suffix: str) -> list[RLPrompt]:
+    quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{suffix}.jsonl"
+    records, report = read_records(path, kind="rl", fmt=config.data.format, on_error=config.data.on_error,
+                                   quarantine_path=quarantine)
+    say(report.summary())
+    report.check_usable("prompt set" if suffix == "" else "eval prompt set")
+    return records  # type: ignore[return-value]
+
+
+def fitting_prompts(config: GRPORecipe, prompts: list[RLPrompt], tokenizer, path: str) -> list[RLPrompt]:
+    """The prompts that leave room for ``rl.max_new_tokens`` in ``train.max_length``; the rest are dropped
+    and counted (a completion must never be cut to fit, or its tokens would not be the sampled ones)."""
+    from posttrain.data.chat import encode_prompt
+
+    room = config.train.max_length - config.rl.max_new_tokens
+    kept = [p for p in prompts if len(encode_prompt(tokenizer, p.prompt)) <= room]
+    if not kept:
+        raise DataError(path, None, "prompt", f"no prompt fits in train.max_length={config.train.max_length} minus "
+                        f"rl.max_new_tokens={config.rl.max_new_tokens} = {room} tokens; raise train.max_length")
+    if len(kept) < len(prompts):
+        say(f"{path}: dropped {len(prompts) - len(kept)} prompt(s) longer than {room} tokens (train.max_length - "
+            "rl.max_new_tokens)")
+    return kept
+
+
+def total_steps(config: GRPORecipe, prompts: int) -> int:
+    train = config.train
+    if train.max_steps is not None:
+        return train.max_steps
+    return max(1, math.floor((train.epochs or 1.0) * prompts / train.global_batch))
+
+
+def dense(flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """Scatter per-token values at the ``keep`` positions (row-major, as the chunked head returns them) into
+    a zero ``[batch, positions]`` tensor; gradients flow back to ``flat``."""
+    out = flat.new_zeros(keep.shape)
+    return out.index_put((keep.nonzero(as_tuple=True)), flat)
+
+
+def grpo_loss(config: GRPORecipe):
+    """The loss the loop calls per micro-batch: the aggregation's numerator (the loop divides by the
+    update's global denominator, from ``GRPOSource``) and per-token means of the RL statistics."""
+    rl = config.rl
+    aggregation = AGGREGATIONS.get(rl.aggregation)
+
+    def loss(model: torch.nn.Module, batch: dict[str, Any]):
+        labels = batch["labels"]
+        logprobs, _, entropy = model(batch["input_ids"], labels, batch["attention_mask"], None,
+                                     temperature=rl.temperature, return_entropy=True)
+        keep = labels[:, 1:] != IGNORE_INDEX
+        ref = batch.get("ref_logprobs")
+        per_token, stats = rl_token_loss(
+            dense(logprobs, keep), dense(batch["old_logprobs"], keep), batch["advantages"], keep,
+            policy_loss=rl.policy_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_beta=rl.kl_beta,
+            ref_logprobs=dense(ref, keep) if ref is not None else None, kl_estimator=rl.kl_estimator,
+        )
+        numerator = aggregation.numerator(per_token, keep, max_new_tokens=rl.max_new_tokens)
+        # The loop divides metric sums by the update's normaliser; metric_scale (normaliser / the update's
+        # loss tokens) turns these token sums into per-token means in the log, whatever the aggregation.
+        scale = batch["metric_scale"]
+        low, high = stats["clip_low_tokens"], stats["clip_high_tokens"]
+        metrics = {"clip_fraction": (low + high) * scale, "clip_fraction/low": low * scale,
+                   "clip_fraction/high": high * scale, "entropy": entropy.detach().sum() * scale,
+                   "log_ratio": (dense(logprobs.detach() - batch["old_logprobs"], keep)).sum() * scale}
+        if "kl_sum" in stats:
+            metrics["kl"] = stats["kl_sum"] * scale
+        return numerator, metrics
+
+    return loss
+
+
+def load_reference(config: GRPORecipe):
+    """The reference for the KL term (``rl.kl_beta > 0`` only): the base with the adapter disabled under
+    ``model.lora``, else a frozen copy of ``rl.reference_model`` sharded like the policy."""
+    from posttrain.models.load import load_model
+
+    rl, train_cfg = config.rl, config.train
+    path = rl.reference_model or config.model.path
+    reference = TokenLogprobModel(load_model(path, config.model.dtype, config.model.attn_implementation,
+                                             config.model.trust_remote_code), train_cfg.loss_chunk_size)
+    reference.requires_grad_(False)
+    parallelize(reference, reference.lm, fsdp=train_cfg.fsdp, precision=train_cfg.precision,
+                cpu_offload=train_cfg.cpu_offload, activation_checkpointing="none", ac_every=1)
+    reference.eval()
+    sharded = dist.world_size() > 1 or train_cfg.fsdp == "on"
+
+    def logprobs(batch: dict[str, Any]) -> torch.Tensor:
+        with torch.no_grad(), autocast(train_cfg.precision, sharded):
+            flat, _ = reference(batch["input_ids"], batch["labels"], batch["attention_mask"], None,
+                                temperature=rl.temperature)
+        return flat.float()
+
+    say(f"reference model for the KL term (β={rl.kl_beta}): {path}")
+    return logprobs
+
+
+def reward_evaluator(prompts: list[RLPrompt], root: torch.nn.Module, lm: torch.nn.Module, tokenizer,
+                     params: SamplingParams, rewards, batch_size: int):
+    """``evaluate(model) -> {"reward", "pass@1", "prompts"}`` over held-out prompts: one greedy completion each,
+    scored by the run's reward, split over ranks (``sharded_sums``; under FSDP the weights are gathered
+    once per pass, ``posttrain.rl.rollout.full_weights``)."""
+    from posttrain.generate.engine import HFBackend
+    from posttrain.train.evaluation import sharded_sums
+
+    per_rank = math.ceil(len(prompts) / dist.world_size())
+
+    def measure(model: torch.nn.Module, chunk: list[RLPrompt]) -> torch.Tensor:  # noqa: ARG001 - root is the model
+        with full_weights(root):
+            completions = HFBackend(lm, tokenizer).generate([p.prompt for p in chunk], params,
+                                                            batch_size=batch_size, progress=False)
+        scored = rewards.score(chunk, [group[0].text for group in completions])
+        verdicts = [p for p in scored.passed if p is not None]
+        return torch.tensor([sum(scored.rewards), float(sum(verdicts)), float(len(verdicts)), float(len(chunk))],
+                            dtype=torch.float64)
+
+    def evaluate(model: torch.nn.Module) -> dict[str, float]:
+        total = sharded_sums(model, prompts, per_rank, measure)
+        figures = {"reward": float(total[0] / total[3]), "prompts": int(total[3])}
+        if total[2] > 0:
+            figures["pass@1"] = float(total[1] / total[2])
+        return figures
+
+    return evaluate
+
+
+@dataclass
+class GRPOParts:
+    """What ``run_grpo`` trains with; ``build_grpo`` makes it (tests drive the source and loss directly)."""
+
+    root: torch.nn.Module
+    lm: torch.nn.Module
+    tokenizer: Any
+    source: GRPOSource
+    eval_prompts: list[RLPrompt]
+
+
+def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
+    """Policy, prompts (those that fit), prompt sampler, rollout function, optional reference, the source."""
+    root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
+    prompts = fitting_prompts(config, read_prompts(config, config.data.train, ""), tokenizer, config.data.train)
+    rewards.check_prompts(prompts)
+    items = curriculum_items(config, [Difficulty(p.tier, p.difficulty) for p in prompts])
+    steps = total_steps(config, len(prompts))
+    rl = config.rl
+    sampler = PromptSampler(
+        items, config.data.curriculum, config.train.seed, shuffle=config.data.shuffle,
+        competence_start=config.data.competence_start,
+        competence_steps=config.data.competence_steps or max(1, steps // 2),
+        pass_rate_low=rl.pass_rate_low, pass_rate_high=rl.pass_rate_high, min_tries=rl.pass_rate_min_tries,
+    )
+    params = SamplingParams(n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
+                            logprobs=True)
+
+    def rollouts(batch: list[RLPrompt], keys: list[int], seed: int):
+        return sample_rollouts(root, lm, tokenizer, [p.prompt for p in batch], replace(params, seed=seed),
+                               batch_size=rl.rollout_batch_size, prompt_keys=keys)
+
+    eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,
+                                    config.data.eval) if config.data.eval else [])
+    reference = load_reference(config) if rl.kl_beta > 0 else None
+    source = GRPOSource(config, prompts, sampler, rollouts, rewards, steps, tokenizer.pad_token_id, reference)
+    say(f"{len(prompts)} prompts; {steps} steps of {source.prompts_per_step} prompts × {rl.group_size} completions "
+        f"({source.geometry.world} rank(s) × {source.geometry.grad_accum} micro-batch(es) of "
+        f"{source.geometry.micro_batch}); {rl.advantage} advantages, {rl.policy_loss} loss, {rl.aggregation}, "
+        f"β={rl.kl_beta}")
+    return GRPOParts(root, lm, tokenizer, source, eval_prompts)
+
+
+def run_grpo(config: GRPORecipe) -> int:
+    run = start_run(config)
+    try:
+        if run.finished:
+            return 0
+        rl = config.rl
+        with RewardFunction(config.reward) as rewards:
+            parts = build_grpo(config, rewards)
+            settings = loop_settings(run, parts.lm)
+            settings.health.watch_loss = False  # see HealthGuard.watch_loss: RL watches the gradient norm
+            if parts.eval_prompts:
+                greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=rl.max_new_tokens)
+                settings.evaluate = reward_evaluator(parts.eval_prompts, parts.root, parts.lm, parts.tokenizer, greedy,
+                                                     rewards, rl.rollout_batch_size)
+            code = train(parts.root, parts.source, grpo_loss(config), settings)
+        if code == 0:
+            finish("grpo", run, settings, export_final(run, parts.root, parts.lm, parts.tokenizer))
+        return code
+    finally:
+        dist.destroy()
