@@ -96,7 +96,7 @@ def test_both_frameworks_get_the_same_prompt_token_ids(tiny_model_dir):
 
 
 @pytest.mark.slow
-def test_tiny_trl_run_prints_one_json_line(tiny_model_dir, tmp_path):
+def test_tiny_run_of_both_frameworks_prints_one_json_line(tiny_model_dir, tmp_path):
     from posttrain.data.io import write_records
     from posttrain.tasks.emit import rl_prompts
 
@@ -104,7 +104,7 @@ def test_tiny_trl_run_prints_one_json_line(tiny_model_dir, tmp_path):
     write_records(data, rl_prompts(32, seed=0))
     proc = subprocess.run(
         [
-            sys.executable, str(SCRIPT), "--model", tiny_model_dir, "--data", str(data), "--only", "trl",
+            sys.executable, str(SCRIPT), "--model", tiny_model_dir, "--data", str(data),
             "--work-dir", str(tmp_path / "work"), "--prompts-per-step", "2", "--group-size", "2",
             "--max-new-tokens", "4", "--steps", "2", "--warmup-steps", "1", "--repeats", "1", "--threads", "1",
         ],
@@ -114,13 +114,15 @@ def test_tiny_trl_run_prints_one_json_line(tiny_model_dir, tmp_path):
     lines = [line for line in proc.stdout.splitlines() if line.strip()]
     assert len(lines) == 1
     report = json.loads(lines[0])
-    figures = report["frameworks"]["trl"]
-    assert figures["steps_timed"] == 2
-    assert figures["prompts_per_s"] == pytest.approx(2 / figures["median_step_s"], rel=1e-2)
-    assert figures["peak_rss_mb"] > 0
-    # The tree adds the two reward pool workers to the run's own process.
-    assert figures["tree_peak_rss_mb"] > figures["peak_rss_mb"]
-    # 2 prompts x G=2 completions of at most 4 tokens per step.
-    assert 0 < figures["mean_completion_tokens_per_step"] <= 2 * 2 * 4
+    for name in ("posttrain", "trl"):
+        figures = report["frameworks"][name]
+        assert figures["steps_timed"] == 2
+        assert figures["prompts_per_s"] == pytest.approx(2 / figures["median_step_s"], rel=1e-2)
+        assert figures["peak_rss_mb"] > 0
+        # The tree adds the two reward pool workers to the run's own process.
+        assert figures["tree_peak_rss_mb"] > figures["peak_rss_mb"]
+        # 2 prompts x G=2 completions of at most 4 tokens per step.
+        assert 0 < figures["mean_completion_tokens_per_step"] <= 2 * 2 * 4
     assert report["same_prompt_ids"] is True
-    assert "ratios" not in report  # one framework: nothing to compare
+    ours, theirs = report["frameworks"]["posttrain"], report["frameworks"]["trl"]
+    assert report["ratios"]["prompts_per_s"] == pytest.approx(ours["prompts_per_s"] / theirs["prompts_per_s"], rel=1e-2)
