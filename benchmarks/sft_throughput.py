@@ -20,13 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import random
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
+
+from _harness import (
+    Child,
+    StepGate,
+    build_bench_model,
+    child_main,
+    count_model_parameters,
+    drive,
+    machine,
+    paired_speed_ratio,
+)
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer briefly."
 
@@ -45,8 +53,6 @@ def build_default_inputs(work_dir: Path, n_chats: int, seed: int = 0) -> tuple[P
         return model_dir, data_path
     from posttrain.data.io import write_records
     from posttrain.data.records import Message, SFTExample
-    from posttrain.models.tiny import build_tiny_model
-    from posttrain.tasks.corpus import pretrain_corpus
     from posttrain.tasks.emit import sft_examples
 
     rng = random.Random(seed)
@@ -59,13 +65,7 @@ def build_default_inputs(work_dir: Path, n_chats: int, seed: int = 0) -> tuple[P
         chats.append(SFTExample(id=f"bench-{seed}-{len(chats):05d}", messages=messages, tier=max(t.tier for t in turns)))
     work_dir.mkdir(parents=True, exist_ok=True)
     write_records(data_path, chats)
-    # Number runs give BPE enough merges to fill a 4096-token vocabulary (the task texts alone stop near 3.2k).
-    texts = [m.content for c in chats for m in c.messages] + pretrain_corpus(2000, seed)
-    texts += [" ".join(str(i) for i in range(start, start + 100)) for start in range(0, 10000, 100)]
-    build_tiny_model(
-        model_dir, texts=texts, vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
-        num_kv_heads=2, intermediate_size=688, max_position_embeddings=2048, seed=seed,
-    )
+    build_bench_model(model_dir, [m.content for c in chats for m in c.messages], seed)
     return model_dir, data_path
 
 
@@ -83,33 +83,6 @@ def tokenized_chats(model_dir: str, data_path: str, max_length: int):
 
 
 # ----------------------------------------------------------------------------- children
-
-
-def _stamp() -> tuple[float, float]:
-    """(wall clock, CPU seconds of this process)."""
-    return time.perf_counter(), time.process_time()
-
-
-class StepGate:
-    """Child side of the turn-taking: report, then block until the parent says "go" (see ``drive``)."""
-
-    def __init__(self, go_fd: int, done_fd: int):
-        self.go_fd, self.done_fd = go_fd, done_fd
-        self.spans: list[tuple[tuple[float, float], tuple[float, float]]] = []
-        self._start = _stamp()
-
-    def _report_and_wait(self, message: bytes) -> None:
-        os.write(self.done_fd, message)
-        if os.read(self.go_fd, 1) != b"g":
-            raise RuntimeError("the benchmark driver went away")
-        self._start = _stamp()
-
-    def ready(self) -> None:
-        self._report_and_wait(b"r")
-
-    def step_done(self) -> None:
-        self.spans.append((self._start, _stamp()))
-        self._report_and_wait(b"d")
 
 
 def _step_figures(gate: StepGate, tokens: list[int], loss_tokens: list[int], warmup: int) -> dict:
@@ -265,97 +238,14 @@ def run_trl_child(spec: dict) -> dict:
     return figures
 
 
-def child_main(framework: str, spec_path: str) -> int:
-    spec = json.loads(Path(spec_path).read_text())
-    figures = run_posttrain_child(spec) if framework == "posttrain" else run_trl_child(spec)
-    Path(spec["result_path"]).write_text(json.dumps(figures))
-    return 0
-
-
 # ----------------------------------------------------------------------------- parent
 
 
-class Child:
-    """One framework run in its own process, driven step by step through two pipes."""
-
-    def __init__(self, framework: str, spec: dict, work_dir: Path, tag: str):
-        import shutil
-
-        self.framework, self.tag = framework, tag
-        self.run_dir = work_dir / "runs" / tag
-        shutil.rmtree(self.run_dir, ignore_errors=True)
-        self.run_dir.mkdir(parents=True)
-        go_read, self.go_write = os.pipe()
-        self.done_read, done_write = os.pipe()
-        spec = {
-            **spec,
-            "out_dir": str(self.run_dir / "out"),
-            "result_path": str(self.run_dir / "result.json"),
-            "gate_fds": [go_read, done_write],
-        }
-        spec_path = self.run_dir / "spec.json"
-        spec_path.write_text(json.dumps(spec))
-        threads = str(spec["threads"])
-        env = {**os.environ, "OMP_NUM_THREADS": threads, "MKL_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-        self.log = open(self.run_dir / "child.log", "w")  # noqa: SIM115 - closed in finish()
-        self.process = subprocess.Popen(
-            [sys.executable, __file__, "--child", framework, "--spec", str(spec_path)],
-            stdout=self.log, stderr=self.log, env=env, pass_fds=(go_read, done_write),
-        )
-        os.close(go_read)
-        os.close(done_write)  # so that a dead child reads as end-of-file here
-
-    def expect(self, message: bytes) -> None:
-        got = os.read(self.done_read, 1)
-        if got != message:
-            self.process.wait()
-            raise RuntimeError(
-                f"{self.tag} stopped (exit code {self.process.returncode}); log {self.run_dir / 'child.log'}:\n"
-                + (self.run_dir / "child.log").read_text()[-3000:]
-            )
-
-    def go(self) -> None:
-        os.write(self.go_write, b"g")
-
-    def finish(self) -> dict:
-        """Wait for the process; return its figures plus its own peak RSS (``ru_maxrss`` from ``wait4``)."""
-        _, status, usage = os.wait4(self.process.pid, 0)
-        self.process.returncode = os.waitstatus_to_exitcode(status)
-        self.log.close()
-        os.close(self.go_write)
-        os.close(self.done_read)
-        if self.process.returncode != 0:
-            tail = (self.run_dir / "child.log").read_text()[-3000:]
-            raise RuntimeError(f"{self.tag} failed with exit code {self.process.returncode}:\n{tail}")
-        figures = json.loads((self.run_dir / "result.json").read_text())
-        figures["peak_rss_mb"] = usage.ru_maxrss / 1024  # Linux reports KiB
-        print(
-            f"[sft_throughput] {self.tag}: {figures['tokens_per_s']:.0f} tok/s, median step "
-            f"{figures['median_step_s']:.3f}s (fastest {min(figures['step_times_s']):.3f}s, "
-            f"CPU {statistics.median(figures['step_cpu_s']):.3f}s), "
-            f"peak RSS {figures['peak_rss_mb']:.0f} MB",
-            file=sys.stderr,
-            flush=True,
-        )
-        return figures
-
-
-def drive(children: list[Child], total_steps: int) -> list[dict]:
-    """Let every child set up, then run one optimizer step in each in turn; return their figures."""
-    try:
-        for child in children:
-            child.expect(b"r")
-        for step in range(total_steps):
-            for child in children if step % 2 == 0 else children[::-1]:
-                child.go()
-                child.expect(b"d")
-        for child in children:
-            child.go()  # past the last step: let each finish (export, exit) on its own
-        return [child.finish() for child in children]
-    finally:
-        for child in children:
-            if child.process.returncode is None and child.process.poll() is None:
-                child.process.kill()
+def _describe(figures: dict) -> str:
+    return (
+        f"{figures['tokens_per_s']:.0f} tok/s, median step {figures['median_step_s']:.3f}s "
+        f"(fastest {min(figures['step_times_s']):.3f}s, CPU {statistics.median(figures['step_cpu_s']):.3f}s)"
+    )
 
 
 def combine(runs: list[dict]) -> dict:
@@ -377,49 +267,6 @@ def combine(runs: list[dict]) -> dict:
         "per_repeat_tokens_per_s": [round(r["tokens_per_s"], 1) for r in runs],
         "final_loss": [round(r["final_loss"], 4) for r in runs],
     }
-
-
-def paired_speed_ratio(ours: list[dict], theirs: list[dict]) -> float:
-    """Median over interleaved rounds of (our tokens/s in the round) / (their tokens/s in the same round).
-
-    Step ``i`` of every run is taken within the same few seconds, so each round's ratio compares the two
-    under the same machine load; the median over rounds keeps a disturbed round from deciding.
-    """
-    ratios = [
-        (o_tokens / o_time) / (t_tokens / t_time)
-        for o_run, t_run in zip(ours, theirs, strict=True)
-        for o_tokens, o_time, t_tokens, t_time in zip(
-            o_run["step_tokens"], o_run["step_times_s"], t_run["step_tokens"], t_run["step_times_s"], strict=True
-        )
-    ]
-    return round(statistics.median(ratios), 3)
-
-
-def machine(threads: int, load_at_start: float) -> dict:
-    import torch
-    import transformers
-    import trl
-
-    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines() if Path("/proc/cpuinfo").exists() else []
-    cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith("model name")), platform.processor())
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "torch_threads": threads,
-        # Other jobs on the same cores slow every run; the load average says how busy the machine was.
-        "load_avg_1m_start_end": [round(load_at_start, 2), round(os.getloadavg()[0], 2)],
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "trl": trl.__version__,
-    }
-
-
-def count_model_parameters(model_dir: Path) -> int:
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(model_dir)
-    return sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -452,7 +299,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
-        return child_main(args.child, args.spec)
+        return child_main(args.spec, {"posttrain": run_posttrain_child, "trl": run_trl_child}, args.child)
     frameworks = [f for f in args.frameworks.split(",") if f]
     ac_modes = [m for m in args.ac.split(",") if m]
     for name in frameworks:
@@ -486,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
         else:  # one at a time, alternating the order between repeats
             groups = [[key] for key in (plan if repeat % 2 == 0 else plan[::-1])]
         for group in groups:
-            children = [Child(f, {**spec, "ac": mode}, work_dir, f"{f}-ac_{mode}-r{repeat}") for f, mode in group]
+            children = [Child(__file__, f, {**spec, "ac": mode}, work_dir, f"{f}-ac_{mode}-r{repeat}", _describe)
+                        for f, mode in group]
             for (framework, mode), figures in zip(group, drive(children, total_steps), strict=True):
                 results[(framework, mode)].append(figures)
     pooled = {key: combine(runs) for key, runs in results.items()}
@@ -520,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
             "step_cpu_s": round(theirs["median_step_cpu_s"] / ours["median_step_cpu_s"], 3),
         }
         if args.schedule == "interleaved":
-            report["ratios"]["tokens_per_s_paired"] = paired_speed_ratio(ours_runs, theirs_runs)
+            report["ratios"]["tokens_per_s_paired"] = paired_speed_ratio(ours_runs, theirs_runs, "step_tokens")
         # Conservative: every repeat must clear 1.5x, not only the pooled figure.
         report["target_met"] = min(per_repeat) >= 1.5 and report["ratios"]["peak_rss"] <= 1.0
     if ac_modes:
@@ -531,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
             # Interleaved, each round compares the modes under the same load (see paired_speed_ratio);
             # pooled medians of runs that met different loads can mislead.
             speed = (
-                paired_speed_ratio(results[("posttrain", mode)], results[("posttrain", "none")])
+                paired_speed_ratio(results[("posttrain", mode)], results[("posttrain", "none")], "step_tokens")
                 if args.schedule == "interleaved"
                 else round(figures["tokens_per_s"] / base["tokens_per_s"], 3)
             )
