@@ -74,6 +74,9 @@ class RLConfig(StrictModel):
     updates_per_rollout: int = Field(default=1, ge=1, description="Optimizer updates per rollout batch: the batch "
                                      "is split into this many mini-batches; later ones are off-policy (the ratio "
                                      "corrects for it).")
+    skip_zero_advantage: bool = Field(default=True, description="Leave completions whose advantage is exactly 0 "
+                                      "(zero-signal groups) out of the training forward when kl_beta = 0: their "
+                                      "gradient is exactly 0, so the update is the same for less compute.")
     dynamic_sampling: bool = Field(default=False, description="Drop groups whose rewards are all equal (no signal) "
                                    "and draw more prompts until the batch is full (DAPO).")
     max_sampling_rounds: int = Field(default=3, ge=1, description="Draws per step with dynamic_sampling; a batch "

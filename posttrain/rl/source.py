@@ -24,6 +24,7 @@ the same batch.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -210,7 +211,7 @@ class GRPOSource:
         sequences = [(s, a) for s, a in zip([s for g in kept for s in g.samples], advantages, strict=True)]
         self.last_groups, self.last_sequences = kept, sequences  # the step as trained, for inspection
         counted = [not (self.rl.mask_truncated and s.truncated) for s, _ in sequences]
-        geometry, updates = self.geometry, self.rl.updates_per_rollout
+        updates = self.rl.updates_per_rollout
         per_update = len(sequences) // updates
         normalizers = []
         for u in range(updates):
@@ -221,18 +222,7 @@ class GRPOSource:
             # divide by 1 rather than refuse the step.
             normalizers.append(float(self.aggregation.denominator(total_tokens=max(loss_tokens, 1),
                                                                   total_sequences=max(sequences_counted, 1))))
-        micro_batches = []
-        for micro in range(geometry.grad_accum):
-            span = geometry.micro_slice(0, micro, dist.rank())
-            update = (span.start // per_update)
-            batch = self.collate([sequences[i] for i in range(span.start, span.stop)],
-                                 [counted[i] for i in range(span.start, span.stop)])
-            # Metric sums are divided by the update's normaliser in the log; scaling them by
-            # normaliser / loss tokens here makes the logged figure a per-token mean whatever the aggregation.
-            tokens_in_update = sum(len(sequences[i][0].completion_ids) for i in
-                                   range(update * per_update, (update + 1) * per_update) if counted[i])
-            batch["metric_scale"] = normalizers[update] / max(tokens_in_update, 1)
-            micro_batches.append(batch)
+        micro_batches = self._micro_batches(sequences, counted, normalizers, per_update)
         if self.reference is not None:
             for batch in micro_batches:
                 batch["ref_logprobs"] = self.reference(batch)
@@ -245,6 +235,43 @@ class GRPOSource:
         return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
                          loss_tokens=loss_tokens, log=self._log,
                          unit_ids=[self.prompts[g.prompt_index].id for g in kept])
+
+    def _micro_batches(self, sequences: list[tuple[Sample, float]], counted: list[bool], normalizers: list[float],
+                       per_update: int) -> list[dict[str, Any]]:
+        """This rank's micro-batches, update by update.
+
+        With ``rl.skip_zero_advantage`` (and no KL term) a completion whose advantage is exactly 0 — every
+        member of a zero-signal group — is left out of the forward: its policy-gradient term is exactly 0,
+        so the update is the same, while its tokens still count in the normaliser. The trained completions
+        are dealt over ranks as a stream is (rank ``r``'s micro-batch ``a`` holds ``(a·W + r)·B …``), with
+        the same number of micro-batches on every rank (FSDP's collectives need it): a rank left without
+        completions runs one with advantage 0 and no weight in the metrics.
+        """
+        world, rank, size = dist.world_size(), dist.rank(), self.geometry.micro_batch
+        skip = self.rl.skip_zero_advantage and self.rl.kl_beta == 0
+        trained_parts = []
+        for u in range(self.rl.updates_per_rollout):
+            part = range(u * per_update, (u + 1) * per_update)
+            trained_parts.append([i for i in part if counted[i] and sequences[i][1] != 0.0] if skip else list(part))
+        micro_per_update = (max(1, *(math.ceil(len(t) / (world * size)) for t in trained_parts)) if skip
+                            else self.geometry.grad_accum // self.rl.updates_per_rollout)
+        self._log["trained_completions"] = sum(len(t) for t in trained_parts)
+        batches = []
+        for u, trained in enumerate(trained_parts):
+            trained_tokens = sum(len(sequences[i][0].completion_ids) for i in trained if counted[i])
+            for a in range(micro_per_update):
+                start = (a * world + rank) * size
+                chosen = trained[start : start + size]
+                if chosen:
+                    batch = self.collate([sequences[i] for i in chosen], [counted[i] for i in chosen])
+                    # The log divides metric sums by the update's normaliser; normaliser / trained tokens
+                    # makes each logged figure a per-token mean over the trained tokens, whatever the aggregation.
+                    batch["metric_scale"] = normalizers[u] / max(trained_tokens, 1)
+                else:
+                    batch = self.collate([(sequences[0][0], 0.0)], [True])
+                    batch["metric_scale"] = 0.0
+                batches.append(batch)
+        return batches
 
     def collate(self, sequences: list[tuple[Sample, float]], counted: list[bool]) -> dict[str, Any]:
         """Right-padded rows of prompt + completion; labels only on counted completions' tokens."""

@@ -65,6 +65,29 @@ def test_changed_stage_config_reruns_it_and_what_depends_on_it(finished_run, cap
     assert "eval_dpo: running" in capsys.readouterr().err
 
 
+def test_the_rl_stage_adds_grpo_to_the_round_and_the_report(finished_run, capsys):
+    run_dir, recipe = finished_run
+    data = yaml.safe_load(recipe.read_text())
+    data["grpo"]["enabled"] = True
+    data["grpo"]["eval_prompts"] = 4
+    data["grpo"]["overrides"].update({"train.max_steps": 2, "train.global_batch_size": 4, "train.batch_size": 8,
+                                      "train.max_length": 96, "train.eval_every": 1, "train.save_every": None,
+                                      "rl.group_size": 4, "rl.max_new_tokens": 6, "rl.rollout_batch_size": 16,
+                                      "reward.workers": 0})
+    recipe.write_text(yaml.safe_dump(data, sort_keys=False))
+    before = stage_keys(run_dir)
+    assert main(["flywheel", "--config", str(recipe)]) == 0
+    after = stage_keys(run_dir)
+    assert {name for name in after if before.get(name) != after[name]} == {"grpo", "eval_grpo", "compare"}
+    report = json.loads((run_dir / "report.json").read_text())
+    assert report["models"] == ["base", "sft", "dpo", "grpo"] and "dpo->grpo" in report["comparisons"]
+    assert report["grpo"]["step"] == [0, 1] and report["grpo"]["eval_step"]
+    prompts = [json.loads(line) for line in (run_dir / "grpo" / "prompts.jsonl").read_text().splitlines()]
+    assert prompts and all(p["group"] == "reasoning" for p in prompts)
+    html = (run_dir / "report.html").read_text()
+    assert html.count('class="plotly-graph-div"') == 6 and 'id="chart-grpo"' in html
+
+
 def test_crash_mid_sft_resumes_on_rerun(tmp_path):
     run_dir = tmp_path / "run"
     recipe = reduced_recipe(run_dir)

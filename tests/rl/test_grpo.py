@@ -74,19 +74,29 @@ def test_one_update_raises_the_likelihood_of_advantaged_completions(tiny_model_d
     assert float(change[advantages.argmax()]) > 0 > float(change[advantages.argmin()])
 
 
-def test_gradient_accumulation_does_not_change_the_run(tiny_model_dir, rl_data, tmp_path):
-    weights, rewards = {}, {}
-    for micro in (16, 4):  # 1 and 4 micro-batches per step
-        out = tmp_path / f"bs{micro}"
+@pytest.mark.parametrize(("name", "variants"), [
+    ("accumulation", [{"train.batch_size": 16}, {"train.batch_size": 4}]),  # 1 and 4 micro-batches per step
+    # Zero-advantage completions left out of the forward (the default) or trained with their exact-0 term.
+    ("zero_advantage", [{"rl.skip_zero_advantage": "true"}, {"rl.skip_zero_advantage": "false"}]),
+])
+def test_the_update_does_not_depend_on_how_the_batch_is_cut(tiny_model_dir, rl_data, tmp_path, name, variants):
+    terms = '[{"kind": "python", "function": "tests.rl.grpo_rewards:signal_on_even_answers"}]'  # some groups: A = 0
+    weights, rewards, trained = [], [], []
+    for index, variant in enumerate(variants):
+        out = tmp_path / f"{name}{index}"
         assert main(["grpo", "--config", "grpo_tiny", *grpo_overrides(
-            tiny_model_dir, rl_data, out, **{"train.batch_size": micro, "train.max_steps": 2})]) == 0
-        weights[micro] = final_weights(out)
-        rewards[micro] = [r["reward_mean"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
-    assert rewards[4] == rewards[16]  # the same completions were sampled at both steps
+            tiny_model_dir, rl_data, out, **{"train.max_steps": 2, "reward.terms": terms, **variant})]) == 0
+        weights.append(final_weights(out))
+        steps = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+        rewards.append([r["reward_mean"] for r in steps])
+        trained.append([r["trained_completions"] for r in steps])
+    assert rewards[0] == rewards[1]  # the same completions were sampled at both steps
+    if name == "zero_advantage":
+        assert trained[0] < trained[1] == [16, 16]  # the skip left some out, and still made the same update
     # Adam divides by sqrt(v): summation-order noise in a near-zero gradient can move that element by up to
     # ~lr (1e-3) per step, so weights agree to 10% of one step (as the SFT equivalence tests), not to epsilon.
-    for name, tensor in weights[16].items():
-        torch.testing.assert_close(weights[4][name], tensor, atol=1e-4, rtol=1e-3)
+    for key, tensor in weights[0].items():
+        torch.testing.assert_close(weights[1][key], tensor, atol=1e-4, rtol=1e-3)
 
 
 def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model_dir, rl_data, tmp_path):
@@ -110,7 +120,8 @@ def test_dynamic_sampling_keeps_only_groups_with_signal(tiny_model_dir, rl_data,
 def test_overlong_shaping_and_truncation_mask(tiny_model_dir, rl_data, tmp_path):
     config = config_of(tiny_model_dir, rl_data, tmp_path / "run", **{
         "reward.terms": '[{"kind": "python", "function": "tests.rl.grpo_rewards:constant_half"}]',
-        "rl.overlong_buffer": 4, "rl.overlong_penalty": 1.0, "rl.mask_truncated": "true", "rl.advantage": "dr_grpo"})
+        "rl.overlong_buffer": 4, "rl.overlong_penalty": 1.0, "rl.mask_truncated": "true", "rl.advantage": "dr_grpo",
+        "rl.skip_zero_advantage": "false"})
     with RewardFunction(config.reward) as rewards:
         parts = build_grpo(config, rewards)
         batch = parts.source.next_step(0, parts.root)
