@@ -255,3 +255,31 @@ def machine(threads: int, load_at_start: float) -> dict:
         "transformers": transformers.__version__,
         "trl": trl.__version__,
     }
+
+
+def trl_trainer_args(spec: dict) -> dict:
+    """The ``TrainingArguments`` both TRL baselines share: constant lr, AdamW, clip 1.0, fp32 on CPU, no
+    gradient checkpointing (TRL's configs default to it and to bf16; posttrain's baselines use neither),
+    no saving, a log line per step."""
+    return {
+        "max_steps": spec["warmup_steps"] + spec["steps"], "learning_rate": spec["lr"],
+        "lr_scheduler_type": "constant", "warmup_steps": 0, "weight_decay": 0.0, "adam_beta1": 0.9,
+        "adam_beta2": 0.999, "max_grad_norm": 1.0, "optim": "adamw_torch", "gradient_checkpointing": False,
+        "bf16": False, "use_cpu": True, "report_to": "none", "save_strategy": "no", "logging_steps": 1,
+        "dataloader_num_workers": 0, "seed": 0, "disable_tqdm": True,
+    }
+
+
+def gated_callback(gate: StepGate):
+    """A TRL ``TrainerCallback`` that takes turns through ``gate``: ready at train start, done at each step end."""
+    from transformers import TrainerCallback
+
+    class Gated(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
+            gate.ready()
+
+        def on_step_end(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
+            gate.step_done()
+
+    return Gated()
+

@@ -34,8 +34,10 @@ from _harness import (
     child_main,
     count_model_parameters,
     drive,
+    gated_callback,
     machine,
     paired_speed_ratio,
+    trl_trainer_args,
 )
 
 FRAMEWORKS = ("posttrain", "trl")
@@ -232,7 +234,7 @@ def run_trl_child(spec: dict) -> dict:
     """Run TRL's ``GRPOTrainer`` (transformers generation) on the same prompts, one gated step at a time."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
     from posttrain.data.chat import as_message_dicts
@@ -265,38 +267,14 @@ def run_trl_child(spec: dict) -> dict:
         epsilon_high=0.28,
         loss_type="dapo",  # token mean over the global batch (posttrain: rl.aggregation=token_mean)
         scale_rewards="group",  # (r - mean) / std over the prompt's group: GRPO's advantage
-        max_steps=spec["warmup_steps"] + spec["steps"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        gradient_checkpointing=False,  # GRPOConfig defaults to True; posttrain does not checkpoint by default
-        bf16=False,  # GRPOConfig defaults to True; fp32 like posttrain
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
+        **trl_trainer_args(spec),
     )
     gate = StepGate(*spec["gate_fds"])
-
-    class Gated(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
-            gate.ready()
-
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
-            gate.step_done()
 
     reward_function = RewardFunction(RewardConfig(workers=spec["reward_workers"]))
     trainer = GRPOTrainer(
         model=model, reward_funcs=[trl_reward(reward_function)], args=args, train_dataset=dataset,
-        processing_class=tokenizer, callbacks=[Gated()],
+        processing_class=tokenizer, callbacks=[gated_callback(gate)],
     )
     with reward_function:
         trainer.train()

@@ -32,8 +32,10 @@ from _harness import (
     child_main,
     count_model_parameters,
     drive,
+    gated_callback,
     machine,
     paired_speed_ratio,
+    trl_trainer_args,
 )
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer briefly."
@@ -174,7 +176,7 @@ def run_trl_child(spec: dict) -> dict:
     """Run TRL's ``SFTTrainer`` with packing on the pre-tokenised chats, one gated step at a time."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import SFTConfig, SFTTrainer
 
     torch.set_num_threads(spec["threads"])
@@ -187,35 +189,11 @@ def run_trl_child(spec: dict) -> dict:
         max_length=spec["max_length"],
         per_device_train_batch_size=spec["batch_size"],
         gradient_accumulation_steps=1,
-        max_steps=spec["warmup_steps"] + spec["steps"],
-        learning_rate=spec["lr"],
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        adam_beta1=0.9,
-        adam_beta2=0.999,
-        max_grad_norm=1.0,
-        optim="adamw_torch",
-        gradient_checkpointing=False,  # SFTConfig defaults to True; posttrain's baseline is activation_checkpointing=none
-        bf16=False,  # SFTConfig defaults to True; fp32 like posttrain
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=1,
-        dataloader_num_workers=0,
-        seed=0,
-        disable_tqdm=True,
+        **trl_trainer_args(spec),
     )
     gate = StepGate(*spec["gate_fds"])
 
-    class Gated(TrainerCallback):
-        def on_train_begin(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
-            gate.ready()
-
-        def on_step_end(self, args, state, control, **kwargs):  # noqa: ARG002 - Trainer callback signature
-            gate.step_done()
-
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[Gated()])
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[gated_callback(gate)])
     tokens: list[int] = []
     loss_tokens: list[int] = []
     collate = trainer.data_collator
