@@ -42,15 +42,16 @@ PEFT_MISSING = "model.lora needs peft: pip install 'posttrain[lora]'"
 BNB_MISSING = "model.lora.quantize=4bit needs bitsandbytes: pip install 'posttrain[qlora]'"
 
 
-class QuantizationUnavailable(RuntimeError):
-    """4-bit loading was asked for on a platform bitsandbytes cannot serve; the message says what to do."""
+class LoraSetupError(RuntimeError):
+    """``model.lora`` cannot be set up as asked (peft or bitsandbytes missing, 4-bit unsupported on this
+    platform or under FSDP, no module matches ``target_modules``); the one-line message says what to do."""
 
 
 def _peft():
     try:
         import peft
     except ImportError:
-        raise ImportError(PEFT_MISSING) from None
+        raise LoraSetupError(PEFT_MISSING) from None
     return peft
 
 
@@ -67,27 +68,27 @@ def find_lora(root: torch.nn.Module) -> torch.nn.Module | None:
 
 
 def check_4bit_support(device: torch.device | str) -> None:
-    """Raise ``QuantizationUnavailable`` (one line) unless bitsandbytes can quantise to NF4 on ``device``."""
+    """Raise ``LoraSetupError`` (one line) unless bitsandbytes can quantise to NF4 on ``device``."""
     try:
         import bitsandbytes
         import bitsandbytes.functional as bnbf
     except ImportError:
-        raise QuantizationUnavailable(BNB_MISSING) from None
+        raise LoraSetupError(BNB_MISSING) from None
     except Exception as exc:  # noqa: BLE001 - a broken native library raises anything on import
-        raise QuantizationUnavailable(f"model.lora.quantize=4bit: bitsandbytes does not load here "
+        raise LoraSetupError(f"model.lora.quantize=4bit: bitsandbytes does not load here "
                                       f"({type(exc).__name__}: {exc}); use model.lora.quantize=none") from None
     probe = torch.linspace(-1.0, 1.0, 4096, device=device).reshape(64, 64)
     try:
         packed, state = bnbf.quantize_4bit(probe, quant_type="nf4")
         error = (bnbf.dequantize_4bit(packed, state, quant_type="nf4").float() - probe).abs().max().item()
     except Exception as exc:  # noqa: BLE001 - each backend fails its own way
-        raise QuantizationUnavailable(
+        raise LoraSetupError(
             f"model.lora.quantize=4bit: bitsandbytes {bitsandbytes.__version__} cannot quantise to 4 bits on "
             f"{torch.device(device).type} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
             "use model.lora.quantize=none"
         ) from None
     if not error < 0.2:  # NF4 of values in [-1, 1] is off by at most half a code step (~0.1)
-        raise QuantizationUnavailable(f"model.lora.quantize=4bit: bitsandbytes {bitsandbytes.__version__} on "
+        raise LoraSetupError(f"model.lora.quantize=4bit: bitsandbytes {bitsandbytes.__version__} on "
                                       f"{torch.device(device).type} round-trips NF4 with error {error:.3g}; "
                                       "use model.lora.quantize=none")
 
@@ -120,7 +121,7 @@ def apply_lora(lm: torch.nn.Module, lora, task: str = "CAUSAL_LM") -> torch.nn.M
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
             return peft.get_peft_model(lm, config)
     except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
-        raise ValueError(f"model.lora.target_modules={lora.target_modules!r}: {exc}") from None
+        raise LoraSetupError(f"model.lora.target_modules={lora.target_modules!r}: {exc}") from None
 
 
 def parameter_counts(lm: torch.nn.Module) -> tuple[int, int]:

@@ -28,6 +28,7 @@ from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.models.load import DTYPES, load_model, load_tokenizer
 from posttrain.models.lora import (
+    LoraSetupError,
     apply_lora,
     describe,
     export_adapter_and_merged,
@@ -157,7 +158,7 @@ def build_policy(
     """
     train, lora = config.train, config.model.lora
     if lora is not None and lora.quantize != "none" and uses_fsdp(train.fsdp):
-        raise ValueError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' 4-bit "
+        raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' 4-bit "
                          "weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     lm = load_lm(config, tokenizer)
