@@ -123,3 +123,23 @@ def test_qlora_trains_a_4bit_base_on_cpu_and_exports_full_precision(lora_run, ti
     # FSDP2 cannot shard the packed 4-bit weights: refused in one line, before training.
     assert run_in_process([*overrides, f"output_dir={tmp_path / 'sharded'}", "train.fsdp=on"]) == 2
     assert "model.lora.quantize=4bit runs in one process" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("recipe", ["sft_lora_tiny", "dpo_lora_tiny"])
+def test_the_packaged_lora_recipes_train(recipe, tiny_model_dir, sft_data, tmp_path):
+    from posttrain.cli import main
+    from posttrain.config import resolve_recipe
+    from tests.train_preference.conftest import preference_rows, write_jsonl
+
+    kind, config = resolve_recipe(recipe)
+    assert config.model.lora is not None and config.model.lora.quantize == "none"
+    if kind == "dpo":
+        data = [f"data.train={write_jsonl(tmp_path / 'pairs.jsonl', preference_rows(16, seed=0))}", "data.eval=null",
+                f"dpo.reference_cache_dir={tmp_path / 'cache'}"]
+    else:
+        data = [f"data.train={sft_data}"]
+    out = tmp_path / "run"
+    overrides = [f"model.path={tiny_model_dir}", f"output_dir={out}", "train.max_steps=2", "train.max_length=64",
+                 "metrics.tensorboard=false", *data]
+    assert main([kind, "--config", recipe, *overrides]) == 0
+    assert (out / "final" / "model.safetensors").exists() and (out / "adapter" / "adapter_config.json").exists()
