@@ -158,8 +158,8 @@ def build_policy(
     """
     train, lora = config.train, config.model.lora
     if lora is not None and lora.quantize != "none" and uses_fsdp(train.fsdp):
-        raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' 4-bit "
-                         "weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
+        raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' "
+                             "4-bit weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     lm = load_lm(config, tokenizer)
     lm.config.use_cache = False
