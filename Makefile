@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray
+EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora
 
 .PHONY: demo test lint bench clean chromium bubblewrap
 

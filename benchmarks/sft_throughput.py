@@ -144,6 +144,8 @@ def run_posttrain_child(spec: dict) -> dict:
         },
         "metrics": {"tensorboard": False},  # TRL runs with report_to="none"
     }
+    if spec.get("lora"):  # benchmarks/lora_throughput.py: the same adapters as TRL's peft_config
+        config["model"]["lora"] = spec["lora"]
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.yaml").write_text(yaml.safe_dump(config))
     gate = StepGate(*spec["gate_fds"])
@@ -193,7 +195,15 @@ def run_trl_child(spec: dict) -> dict:
     )
     gate = StepGate(*spec["gate_fds"])
 
-    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[gated_callback(gate)])
+    peft_config = None
+    if spec.get("lora"):  # benchmarks/lora_throughput.py: the same adapters as posttrain's model.lora
+        from peft import LoraConfig
+
+        lora = spec["lora"]
+        peft_config = LoraConfig(r=lora["r"], lora_alpha=lora["alpha"], lora_dropout=lora["dropout"],
+                                 target_modules=lora["target_modules"], task_type="CAUSAL_LM")
+    trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer, callbacks=[gated_callback(gate)],
+                         peft_config=peft_config)
     tokens: list[int] = []
     loss_tokens: list[int] = []
     collate = trainer.data_collator

@@ -15,7 +15,8 @@ from posttrain.recipes import RECIPES_DIR, find_recipe, packaged_recipes
 
 def test_every_recipe_is_inside_the_package():
     names = packaged_recipes()
-    assert {"quickstart", "sft_tiny", "dpo_tiny", "rm_tiny", "curate", "sample", "pretrain_tiny"} <= set(names)
+    assert {"quickstart", "sft_tiny", "dpo_tiny", "rm_tiny", "curate", "sample", "pretrain_tiny", "sft_lora_tiny",
+            "dpo_lora_tiny"} <= set(names)
     assert all(path.parent == RECIPES_DIR and path.is_file() for path in names.values())
 
 

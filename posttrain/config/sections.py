@@ -9,11 +9,41 @@ from pydantic import Field, field_validator, model_validator
 from posttrain.config.loader import StrictModel
 
 
+class LoraConfig(StrictModel):
+    """``model.lora``: train low-rank adapters (peft) on a frozen base instead of every weight (docs/lora.md)."""
+
+    r: int = Field(default=16, ge=1, description="LoRA rank: each adapted weight W gets W + (alpha / r)·B·A, A [r × in].")
+    alpha: float = Field(default=32.0, gt=0, description="LoRA scale numerator: the update is scaled by alpha / r.")
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0, description="Dropout on the adapter's input (training only).")
+    target_modules: str | list[str] = Field(
+        default="all-linear",
+        description="Module names to adapt (e.g. [q_proj, v_proj]), or all-linear: every linear layer but the "
+        "output head.",
+    )
+    quantize: Literal["none", "4bit"] = Field(
+        default="none",
+        description="4bit: QLoRA, the frozen base loaded in 4-bit NF4 through bitsandbytes (one process only; "
+        "pip install 'posttrain[qlora]').",
+    )
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value):
+        if not value:
+            raise ValueError("model.lora.target_modules is empty: name the modules to adapt, or all-linear")
+        return value
+
+
 class ModelConfig(StrictModel):
     path: str = Field(description="Local HF-format directory (or a hub id when the network allows).")
     dtype: Literal["float32", "bfloat16"] = "float32"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
     trust_remote_code: bool = False
+    lora: LoraConfig | None = Field(
+        default=None,
+        description="Train LoRA adapters through peft instead of the whole model (null: full fine-tuning). "
+        "Export: output_dir/final is the merged model, output_dir/adapter the peft adapter.",
+    )
 
 
 class DataConfig(StrictModel):

@@ -36,8 +36,16 @@ def load_model(
     attn_implementation: str = "sdpa",
     trust_remote_code: bool = False,
     device: str | torch.device = "cpu",
+    quantization_config=None,
 ) -> PreTrainedModel:
+    """``quantization_config`` (a ``BitsAndBytesConfig``, ``posttrain.models.lora``) quantises the weights as
+    they load, straight onto ``device``."""
     _check_path(path)
+    if quantization_config is not None:
+        return AutoModelForCausalLM.from_pretrained(
+            path, dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+            quantization_config=quantization_config, device_map={"": torch.device(device)},
+        )
     model = AutoModelForCausalLM.from_pretrained(
         path,
         dtype=DTYPES[dtype],

@@ -14,6 +14,13 @@ A checkpoint is written to ``step-N.tmp`` and renamed into place after the manif
 never sees a half-written directory under its final name; the manifest check also covers stores
 without atomic rename.
 
+With frozen parameters (``model.lora``: a frozen base with trainable adapters) the model part holds the
+trainable parameters only — the adapters and their optimizer state, a few MB for a model of many GB —
+and the manifest says ``"weights": "trainable"``. The frozen base is not saved: it is ``model.path``,
+whose content hash is part of the run identity, so a resume with other base files is refused before
+anything loads. With every parameter trainable (full fine-tuning) the checkpoint holds the whole
+model, as it always did.
+
 A checkpoint written by N ranks loads on M ranks: DCP reshards the model and optimizer to the new
 sharding (or to whole tensors in one process), the trainer state is rank-independent, and a rank with
 no RNG file of its own takes rank ``r mod N``'s (the exact data position does not depend on RNG).
@@ -177,6 +184,35 @@ def _is_disk_full(exc: BaseException) -> bool:
     return False
 
 
+# Names that wrappers add to parameter names and DCP's state-dict keys leave out (activation checkpointing,
+# torch.compile).
+_WRAPPER_NAMES = ("_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def trainable_keys(model: torch.nn.Module) -> set[str] | None:
+    """State-dict keys of the trainable parameters when some are frozen (LoRA); None when all train."""
+    named = list(model.named_parameters())
+    if all(p.requires_grad for _, p in named):
+        return None
+    keys = set()
+    for name, param in named:
+        if param.requires_grad:
+            for wrapper in _WRAPPER_NAMES:
+                name = name.replace(wrapper, "")
+            keys.add(name)
+    return keys
+
+
+def _only(state: dict[str, Any], keys: set[str] | None) -> dict[str, Any]:
+    """``state`` restricted to ``keys`` (the frozen weights and a 4-bit base's quantisation state go)."""
+    if keys is None:
+        return state
+    missing = keys - state.keys()
+    if missing:
+        raise RuntimeError(f"trainable parameters without a state-dict entry: {sorted(missing)[:3]}")
+    return {key: value for key, value in state.items() if key in keys}
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -201,7 +237,9 @@ def save_checkpoint(
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
+        trainable = trainable_keys(model)
         model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd = _only(model_sd, trainable)
         with _quiet_single_process():
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
         if dist.is_main():
@@ -232,6 +270,8 @@ def save_checkpoint(
         }
         manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
                     "identity_hash": identity_hash(identity), "files": files}
+        if trainable is not None:
+            manifest["weights"] = "trainable"
         try:
             with open(staging / MANIFEST, "w") as handle:
                 json.dump(manifest, handle, indent=1, sort_keys=True)
@@ -269,30 +309,46 @@ def load_checkpoint(
             f"checkpoint {info.path.name} was written by {saved_world} rank(s); resharding it for {world}",
             stacklevel=2,
         )
+    trainable = trainable_keys(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd}
+    state = {"model": _only(model_sd, trainable), "optim": optim_sd}
     with _quiet_single_process():
         dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    # With frozen weights the state holds the trainable ones only; the rest stay as model.path loaded them.
+    loaded = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                            options=StateDictOptions(strict=trainable is None))
+    if trainable is not None and loaded.unexpected_keys:
+        raise RuntimeError(f"checkpoint {info.path.name}: unexpected weights {loaded.unexpected_keys[:3]}")
     rng_file = info.path / f"rng-rank{rank if rank < saved_world else rank % saved_world}.pt"
     set_rng_state(torch.load(rng_file, weights_only=False))
     return json.loads((info.path / TRAINER_STATE).read_text())
 
 
-def full_model_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Gather an unsharded CPU state dict (a collective); every rank gets it."""
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options)
+def full_model_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """Gather an unsharded CPU state dict (a collective); rank 0 gets it.
+
+    ``trainable_only``: only the parameters that train (LoRA: the adapters), so the frozen base is never
+    gathered.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=trainable_only)
+    state = get_model_state_dict(model, options=options)
+    return _only(state, trainable_keys(model)) if trainable_only and state else state
 
 
-def export_hf(lm: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, directory: Path) -> Path:
-    """Write an HF-format model (safetensors + config + tokenizer) from a full state dict (rank 0 only)."""
+def quiet_hf_progress() -> None:
+    """Outside a terminal, turn off transformers' own bars ("Writing model shards", "Loading weights"): they
+    would print carriage returns into a log."""
     from transformers.utils import logging as hf_logging
 
     from posttrain.progress import mode
 
-    if mode() != "bar":  # transformers' own "Writing model shards" bar would print carriage returns into a log
+    if mode() != "bar":
         hf_logging.disable_progress_bar()
+
+
+def export_hf(lm: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, directory: Path) -> Path:
+    """Write an HF-format model (safetensors + config + tokenizer) from a full state dict (rank 0 only)."""
+    quiet_hf_progress()
     directory.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)
     tokenizer.save_pretrained(directory)

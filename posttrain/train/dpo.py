@@ -5,7 +5,9 @@ setup → reference → train → evaluate → export:
 1. read and tokenise the pairs (bad records raise or are quarantined; pairs that truncation spoils are
    dropped with a reason; ``pairs.jsonl`` lists every pair used, with the annotator's rationale);
 2. reference log-probs: precomputed once and cached (``posttrain.train.reference``; the reference model
-   is freed before the policy is even loaded), or a live reference kept beside the policy, or none;
+   is freed before the policy is even loaded), or a live reference kept beside the policy, or none.
+   With ``model.lora`` (and no other ``dpo.reference_model``) no reference model is loaded at all: the
+   policy with its adapters disabled is the base, and it serves both the precomputed and the live mode;
 3. the loop (``posttrain.train.loop``) with a ``DPOSource`` — the pair stream, each micro-batch carrying
    its reference log-probs and BCO's current shift δ (source state, checkpointed and restored on
    rollback) — and ``dpo_loss``: one forward per micro-batch over chosen and rejected together, the
@@ -17,6 +19,7 @@ setup → reference → train → evaluate → export:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections import Counter
 from pathlib import Path
@@ -34,6 +37,7 @@ from posttrain.algorithms.preference import (
 from posttrain.config.preference import DPORecipe
 from posttrain.data.io import append_jsonl
 from posttrain.models.load import load_model
+from posttrain.models.lora import adapter_disabled
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.pairs import (
@@ -47,6 +51,7 @@ from posttrain.train.pairs import (
     split_pairs,
     write_jsonl,
 )
+from posttrain.train.parallelize import uses_fsdp
 from posttrain.train.precision import autocast
 from posttrain.train.reference import ReferenceSpec, default_cache_dir, reference_logps
 from posttrain.train.runner import (
@@ -108,8 +113,9 @@ class ReferenceLogps:
     """
 
     def __init__(self, table: tuple[torch.Tensor, torch.Tensor] | None = None, live: PairLogprobModel | None = None,
-                 precision: str = "fp32"):
-        self.table, self.live, self.precision = table, live, precision
+                 precision: str = "fp32", sharded: bool = False):
+        # ``sharded``: ``live`` is the FSDP-sharded LoRA policy (its base, adapters off), not a whole reference.
+        self.table, self.live, self.precision, self.sharded = table, live, precision, sharded
 
     def attach(self, batch: dict[str, Any]) -> dict[str, Any]:
         device = dist.device()
@@ -117,8 +123,8 @@ class ReferenceLogps:
             index = batch["pair_index"]
             batch["ref_chosen"], batch["ref_rejected"] = self.table[0][index].to(device), self.table[1][index].to(device)
         elif self.live is not None:
-            # The frozen reference is never sharded: bf16 runs compute it under autocast.
-            with torch.no_grad(), autocast(self.precision, sharded=False):
+            # A separate frozen reference is never sharded: bf16 runs compute it under autocast.
+            with torch.no_grad(), autocast(self.precision, self.sharded), adapter_disabled(self.live):
                 batch["ref_chosen"], batch["ref_rejected"] = split_pairs(self.live(**model_inputs(batch)).float())
         return batch
 
@@ -251,17 +257,33 @@ def pair_evaluator(config: DPORecipe, pairs: list[TokenizedPair], pad_id: int, r
     return evaluate
 
 
-def prepare_reference(config: DPORecipe, run: Run, train_data: PairData, eval_data: PairData | None, pad_id: int):
-    """Reference log-probs for training and evaluation, per ``dpo.reference``."""
+def uses_adapter_reference(config: DPORecipe) -> bool:
+    """LoRA with the base as the reference: the policy with its adapters disabled serves as the reference."""
+    return (config.model.lora is not None and config.dpo.reference_mode != "none"
+            and reference_spec(config).path == config.model.path)
+
+
+def prepare_reference(config: DPORecipe, run: Run, train_data: PairData, eval_data: PairData | None, pad_id: int,
+                      policy: torch.nn.Module | None = None, sharded: bool = False):
+    """Reference log-probs for training and evaluation, per ``dpo.reference``.
+
+    ``policy``: the LoRA policy's root, whose adapter-disabled base is the reference (``sharded``: under FSDP).
+    """
     mode = config.dpo.reference_mode
     precision = config.train.precision
     if mode == "none":
         say("reference: none (reference-free loss)")
         return ReferenceLogps(), ReferenceLogps()
     spec = reference_spec(config)
+    if policy is not None:
+        spec = dataclasses.replace(spec, source="policy-adapter-disabled")
     if mode == "live":
-        say(f"reference: live ({spec.path}, kept in memory beside the policy)")
-        live = ReferenceLogps(live=load_live_reference(spec), precision=precision)
+        if policy is not None:
+            say(f"reference: live, the LoRA policy with its adapters disabled ({spec.path}; no second model)")
+            live = ReferenceLogps(live=policy, precision=precision, sharded=sharded)
+        else:
+            say(f"reference: live ({spec.path}, kept in memory beside the policy)")
+            live = ReferenceLogps(live=load_live_reference(spec), precision=precision)
         return live, live
     cache_dir = Path(config.dpo.reference_cache_dir) if config.dpo.reference_cache_dir else \
         default_cache_dir(config.output_dir)
@@ -270,7 +292,8 @@ def prepare_reference(config: DPORecipe, run: Run, train_data: PairData, eval_da
         if data is None:
             sources.append(ReferenceLogps())
             continue
-        result = reference_logps(spec, data.pairs, pad_id, path, cache_dir, desc=f"reference log-probs {path}")
+        result = reference_logps(spec, data.pairs, pad_id, path, cache_dir, desc=f"reference log-probs {path}",
+                                 policy=policy, sharded=sharded)
         say(f"reference log-probs for {len(data.pairs)} pairs of {path}: "
             f"{'reused' if result.reused else 'computed and cached'} {result.path}")
         sources.append(ReferenceLogps(table=(result.chosen, result.rejected)))
@@ -315,9 +338,14 @@ def run_dpo(config: DPORecipe) -> int:
         pad_id = tokenizer.pad_token_id
         train_data = read_pairs(config, config.data.train, tokenizer, "")
         eval_data = read_pairs(config, config.data.eval, tokenizer, "-eval") if config.data.eval else None
-        # The reference pass runs (and frees its model) before the policy is loaded: peak memory is one model.
-        train_ref, eval_ref = prepare_reference(config, run, train_data, eval_data, pad_id)
+        adapter_reference = uses_adapter_reference(config)
+        if not adapter_reference:
+            # The reference pass runs (and frees its model) before the policy is loaded: peak memory is one model.
+            train_ref, eval_ref = prepare_reference(config, run, train_data, eval_data, pad_id)
         root, lm, tokenizer = build_policy(config, lambda lm: PairLogprobModel(lm, config.train.loss_chunk_size))
+        if adapter_reference:  # LoRA: the policy with its adapters disabled is the reference
+            train_ref, eval_ref = prepare_reference(config, run, train_data, eval_data, pad_id, policy=root,
+                                                    sharded=uses_fsdp(config.train.fsdp))
         units = build_units(config, train_data.pairs)
         leftover = len(units) % geometry.global_batch
         say(f"{len(units)} pairs → {len(units) // geometry.global_batch} steps of {geometry.global_batch}"

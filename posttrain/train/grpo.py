@@ -8,6 +8,7 @@ shared loop (health guard, checkpoints with the sampler's state, preemption) →
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -105,28 +106,35 @@ def grpo_loss(config: GRPORecipe):
     return loss
 
 
-def load_reference(config: GRPORecipe):
-    """The reference for the KL term (``rl.kl_beta > 0`` only): the base with the adapter disabled under
-    ``model.lora``, else a frozen copy of ``rl.reference_model`` sharded like the policy."""
+def load_reference(config: GRPORecipe, root: torch.nn.Module):
+    """The reference for the KL term (``rl.kl_beta > 0`` only): with ``model.lora`` and the base as the
+    reference, the policy itself with its adapters disabled (no second model); else a frozen copy of
+    ``rl.reference_model`` sharded like the policy."""
     from posttrain.models.load import load_model
+    from posttrain.models.lora import adapter_disabled
 
     rl, train_cfg = config.rl, config.train
     path = rl.reference_model or config.model.path
-    reference = TokenLogprobModel(load_model(path, config.model.dtype, config.model.attn_implementation,
-                                             config.model.trust_remote_code), train_cfg.loss_chunk_size)
-    reference.requires_grad_(False)
-    parallelize(reference, reference.lm, fsdp=train_cfg.fsdp, precision=train_cfg.precision,
-                cpu_offload=train_cfg.cpu_offload, activation_checkpointing="none", ac_every=1)
-    reference.eval()
     sharded = dist.world_size() > 1 or train_cfg.fsdp == "on"
+    if config.model.lora is not None and path == config.model.path:
+        reference, context = root, adapter_disabled
+        say(f"reference for the KL term (β={rl.kl_beta}): the policy with its LoRA adapters disabled")
+    else:
+        reference = TokenLogprobModel(load_model(path, config.model.dtype, config.model.attn_implementation,
+                                                 config.model.trust_remote_code), train_cfg.loss_chunk_size)
+        reference.requires_grad_(False)
+        parallelize(reference, reference.lm, fsdp=train_cfg.fsdp, precision=train_cfg.precision,
+                    cpu_offload=train_cfg.cpu_offload, activation_checkpointing="none", ac_every=1)
+        reference.eval()
+        context = contextlib.nullcontext
+        say(f"reference model for the KL term (β={rl.kl_beta}): {path}")
 
     def logprobs(batch: dict[str, Any]) -> torch.Tensor:
-        with torch.no_grad(), autocast(train_cfg.precision, sharded):
+        with torch.no_grad(), autocast(train_cfg.precision, sharded), context(reference):
             flat, _ = reference(batch["input_ids"], batch["labels"], batch["attention_mask"], None,
                                 temperature=rl.temperature)
         return flat.float()
 
-    say(f"reference model for the KL term (β={rl.kl_beta}): {path}")
     return logprobs
 
 
@@ -193,7 +201,7 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
 
     eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,
                                     config.data.eval) if config.data.eval else [])
-    reference = load_reference(config) if rl.kl_beta > 0 else None
+    reference = load_reference(config, root) if rl.kl_beta > 0 else None
     source = GRPOSource(config, prompts, sampler, rollouts, rewards, steps, tokenizer.pad_token_id, reference)
     say(f"{len(prompts)} prompts; {steps} steps of {source.prompts_per_step} prompts × {rl.group_size} completions "
         f"({source.geometry.world} rank(s) × {source.geometry.grad_accum} micro-batch(es) of "

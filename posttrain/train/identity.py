@@ -13,6 +13,9 @@ read) decides:
 - the model's files or architecture differ → **refuse** (``ResumeError``, exit 2): resuming would load
   weights into the wrong model (a 4-layer checkpoint into a 2-layer model loads 2 layers and drops the
   rest). The fix is a new ``output_dir``, or ``train.resume=never`` to start over in this one;
+- ``model.lora`` switched on or off, or its ``r``, ``alpha``, ``target_modules`` or ``quantize`` changed →
+  **refuse** as well: a LoRA checkpoint holds only the adapters, whose shapes and meaning these settings
+  fix (``dropout`` may change, with the warning below);
 - other config keys differ → resume, with a warning that names every changed key;
 - the run already finished (``finished.json``) → nothing to do: say so and stop, instead of exporting
   again;
@@ -37,10 +40,12 @@ FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
 NOT_IDENTITY = ({"output_dir", "metrics", "alerts"},
                 {"train": {"resume", "log_every", "keep_last"}, "debug": {"crash_at_step", "log_unit_ids"}})
+# model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).
+LORA_KEYS = ("r", "alpha", "target_modules", "quantize")
 ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
 # Files of a run directory that ``train.resume=never`` moves aside before starting over.
-RUN_FILES = ("checkpoints", "final", FINISHED, "metrics.jsonl", "alerts.jsonl", "units.jsonl", "eval.json",
+RUN_FILES = ("checkpoints", "final", "adapter", FINISHED, "metrics.jsonl", "alerts.jsonl", "units.jsonl", "eval.json",
              "tensorboard", "pairs.jsonl", "dropped_pairs.jsonl")
 
 
@@ -110,6 +115,17 @@ def _check_model(saved: dict[str, Any], current: RunIdentity, where: str, output
     if model.get("digest") and model["digest"] != current.model["digest"]:
         raise ResumeError(f"{where} was written with other model files than model.path={current.config['model']['path']} "
                           f"(content hash {model['digest'][:12]} ≠ {current.model['digest'][:12]}); {fix}")
+    old_lora = ((saved.get("config") or {}).get("model") or {}).get("lora")
+    new_lora = current.config["model"].get("lora")
+    if (old_lora is None) != (new_lora is None):
+        before, after = ("full fine-tuning", "LoRA") if old_lora is None else ("LoRA", "full fine-tuning")
+        raise ResumeError(f"{where} was written by {before} and this run is {after} (model.lora "
+                          f"{'unset' if old_lora is None else 'set'} → {'unset' if new_lora is None else 'set'}); {fix}")
+    if old_lora is not None:
+        changed = [key for key in LORA_KEYS if old_lora.get(key) != new_lora.get(key)]
+        if changed:
+            diff = ", ".join(f"model.lora.{key} {old_lora.get(key)} → {new_lora.get(key)}" for key in changed)
+            raise ResumeError(f"{where} holds adapters of other LoRA settings ({diff}); {fix}")
 
 
 def _warn_changed(saved: dict[str, Any], current: RunIdentity, where: str) -> None:

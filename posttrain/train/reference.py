@@ -19,6 +19,12 @@ Several ranks: each rank loads the full reference and computes every ``world``-t
 sharding of the reference); the results are summed across ranks (each pair is filled by exactly one
 rank, the others contribute exact zeros) and rank 0 writes the file. A reference that does not fit
 one device unsharded is not supported by this pass; use ``dpo.reference=live`` or a smaller reference.
+
+With LoRA (``model.lora``) there is no reference model to load: the policy with its adapters disabled
+*is* the base (``posttrain.models.lora.adapter_disabled``), so the pass runs through the policy itself —
+sharded like it, every rank running the same number of forwards (FSDP's gathers are collectives). Its
+numbers equal the separately loaded base's; its cache entries are kept apart all the same
+(``ReferenceSpec.source``), since a bf16 policy under FSDP rounds differently from an autocast reference.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from __future__ import annotations
 import gc
 import hashlib
 import json
+import math
 import os
 import warnings
 from dataclasses import dataclass
@@ -38,7 +45,9 @@ from safetensors.torch import load_file, save_file
 
 from posttrain import dist
 from posttrain.models.load import load_model
+from posttrain.models.lora import adapter_disabled
 from posttrain.progress import progress
+from posttrain.train.evaluation import reshard
 from posttrain.train.pairs import PairLogprobModel, TokenizedPair, collate_pairs, model_inputs, split_pairs
 from posttrain.train.precision import autocast
 
@@ -58,12 +67,16 @@ class ReferenceSpec:
     prefix_sharing: bool = True
     batch_size: int = 16
     chunk_size: int = 1024
+    source: str = "model"  # "model": loaded from ``path``; "policy-adapter-disabled": the LoRA policy's base
 
     def key_fields(self) -> dict:
-        return {
+        fields = {
             "dtype": self.dtype, "attn": self.attn_implementation, "precision": self.precision,
             "prefix_sharing": self.prefix_sharing, "version": CACHE_VERSION,
         }
+        if self.source != "model":  # keys of the separately loaded reference stay as they were
+            fields["source"] = self.source
+        return fields
 
 
 def _hash_stream(digest, handle) -> None:
@@ -178,40 +191,63 @@ def _write_cache(path: Path, key: str, chosen: torch.Tensor, rejected: torch.Ten
 
 
 def compute_reference_logps(
-    spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, desc: str = "reference log-probs"
+    spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, desc: str = "reference log-probs",
+    policy: torch.nn.Module | None = None, sharded: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One no-grad pass of the reference over ``pairs``: ``([N] chosen, [N] rejected)`` float32 sums.
 
     Pairs are batched longest first (less padding); this rank computes every ``world``-th of them.
-    The reference model is freed before returning.
+    The reference model is freed before returning. ``policy``: a LoRA policy's root (``PairLogprobModel``,
+    FSDP-sharded when ``sharded``) whose adapter-disabled base is the reference; no model is loaded.
     """
     world, rank = dist.world_size(), dist.rank()
     chosen = torch.zeros(len(pairs), dtype=torch.float32)
     rejected = torch.zeros(len(pairs), dtype=torch.float32)
-    lm = load_model(spec.path, spec.dtype, spec.attn_implementation, spec.trust_remote_code, device=dist.device())
-    lm.config.use_cache = False
-    lm.eval().requires_grad_(False)
-    root = PairLogprobModel(lm, chunk_size=spec.chunk_size)
     order = sorted(range(len(pairs)), key=lambda i: -pairs[i].row_tokens(spec.prefix_sharing))[rank::world]
     batches = [order[i : i + spec.batch_size] for i in range(0, len(order), spec.batch_size)]
-    try:
-        # The reference is never sharded: it computes in bf16 under autocast when the run is bf16.
-        with torch.no_grad(), autocast(spec.precision, sharded=False):
-            for indices in progress(batches, desc=desc, unit="batch", disable=not dist.is_main()):
-                batch = collate_pairs([pairs[i] for i in indices], pad_token_id, spec.prefix_sharing)
-                values_c, values_r = split_pairs(root(**model_inputs(batch)).float().cpu())
-                chosen[indices] = values_c
-                rejected[indices] = values_r
-    finally:
-        # The reference must not stay resident while the policy trains.
-        del root, lm
-        gc.collect()
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+    if policy is not None:
+        # Every rank runs as many forwards as the busiest one (FSDP's gathers are collectives); a rank with
+        # no batch left runs a dummy one and keeps nothing from it.
+        most = math.ceil(math.ceil(len(pairs) / world) / spec.batch_size)
+        batches += [[] for _ in range(most - len(batches))]
+        _reference_pass(policy, spec, pairs, pad_token_id, batches, chosen, rejected, desc, sharded)
+    else:
+        lm = load_model(spec.path, spec.dtype, spec.attn_implementation, spec.trust_remote_code, device=dist.device())
+        lm.config.use_cache = False
+        lm.eval().requires_grad_(False)
+        root = PairLogprobModel(lm, chunk_size=spec.chunk_size)
+        try:
+            # The reference is never sharded: it computes in bf16 under autocast when the run is bf16.
+            _reference_pass(root, spec, pairs, pad_token_id, batches, chosen, rejected, desc, sharded=False)
+        finally:
+            # The reference must not stay resident while the policy trains.
+            del root, lm
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
     packed = torch.stack([chosen, rejected]).to(dist.device())
     dist.all_reduce_sum(packed)
     packed = packed.cpu()
     return packed[0].clone(), packed[1].clone()
+
+
+def _reference_pass(root: torch.nn.Module, spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int,
+                    batches: list[list[int]], chosen: torch.Tensor, rejected: torch.Tensor, desc: str,
+                    sharded: bool) -> None:
+    """Fill ``chosen[i]`` / ``rejected[i]`` for the pairs of ``batches`` (an empty batch: a dummy forward)."""
+    was_training = root.training
+    root.eval()
+    try:
+        with torch.no_grad(), autocast(spec.precision, sharded), adapter_disabled(root):
+            for indices in progress(batches, desc=desc, unit="batch", disable=not dist.is_main()):
+                batch = collate_pairs([pairs[i] for i in indices or [0]], pad_token_id, spec.prefix_sharing)
+                values_c, values_r = split_pairs(root(**model_inputs(batch)).float().cpu())
+                if indices:
+                    chosen[indices] = values_c
+                    rejected[indices] = values_r
+    finally:
+        root.train(was_training)
+    reshard(root)  # forwards without backward leave FSDP's root unsharded; the optimizer must see the shards
 
 
 @dataclass
@@ -224,7 +260,7 @@ class ReferenceResult:
 
 def reference_logps(
     spec: ReferenceSpec, pairs: list[TokenizedPair], pad_token_id: int, data_path: str, cache_dir: Path,
-    desc: str = "reference log-probs",
+    desc: str = "reference log-probs", policy: torch.nn.Module | None = None, sharded: bool = False,
 ) -> ReferenceResult:
     """Cached reference log-probs for ``pairs`` of ``data_path``: read the cache, or compute and write it."""
     key = dist.broadcast_object(cache_key(spec, data_path, pairs) if dist.is_main() else None)
@@ -236,7 +272,7 @@ def reference_logps(
             tensors = load_file(str(path))
             cached = tensors["chosen"], tensors["rejected"]
         return ReferenceResult(cached[0], cached[1], path, True)
-    chosen, rejected = compute_reference_logps(spec, pairs, pad_token_id, desc)
+    chosen, rejected = compute_reference_logps(spec, pairs, pad_token_id, desc, policy, sharded)
     if dist.is_main():
         _write_cache(path, key, chosen, rejected, spec, data_path)
     dist.barrier()

@@ -46,6 +46,7 @@ from posttrain.train.pairs import (
 from posttrain.train.precision import autocast
 from posttrain.train.reward_scorer import SCORER_SETTINGS
 from posttrain.train.runner import (
+    base_quantization,
     batch_geometry,
     build_policy,
     export_final,
@@ -86,15 +87,17 @@ def reward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, pad_token_id: int,
-                   device: torch.device | str = "cpu") -> torch.nn.Module:
+                   device: torch.device | str = "cpu", quantization_config=None) -> torch.nn.Module:
+    placed = {} if quantization_config is None else {"quantization_config": quantization_config,
+                                                     "device_map": {"": torch.device(device)}}
     lm = AutoModelForSequenceClassification.from_pretrained(
         path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
+        trust_remote_code=trust_remote_code, **placed,
     )
     # HF's own forward finds the last token through pad_token_id: without it, batched scoring refuses to run.
     lm.config.pad_token_id = pad_token_id
     lm.config.use_cache = False
-    return lm.to(device)
+    return lm if quantization_config is not None else lm.to(device)
 
 
 def holdout_split(pairs: list[TokenizedPair], fraction: float) -> tuple[list[TokenizedPair], list[TokenizedPair]]:
@@ -202,9 +205,9 @@ def run_reward_model(config: RewardModelRecipe) -> int:
         def load_lm(config: RewardModelRecipe, tokenizer) -> torch.nn.Module:
             model = config.model
             return load_reward_lm(model.path, model.dtype, model.attn_implementation, model.trust_remote_code,
-                                  tokenizer.pad_token_id)
+                                  tokenizer.pad_token_id, quantization_config=base_quantization(config))
 
-        root, lm, tokenizer = build_policy(config, RewardModel, load_lm)
+        root, lm, tokenizer = build_policy(config, RewardModel, load_lm, lora_task="SEQ_CLS")
         items = curriculum_items(config, [Difficulty(p.tier, p.difficulty) for p in train_pairs])
         order = build_stream(
             items, config.data.curriculum, config.train.seed, config.train.epochs, geometry.global_batch,
@@ -225,7 +228,7 @@ def run_reward_model(config: RewardModelRecipe) -> int:
         if code == 0:
             after = settings.summary.evals[-1][1]
             write_eval(run.output_dir, source.total_steps(), before, after, ("accuracy", "loss"))
-            final = export_final(run, root, lm, tokenizer)
+            final = export_final(run, root, lm, tokenizer, load_lm)
             if dist.is_main():
                 scorer_settings = {"max_length": config.train.max_length,
                                    "truncation_side": config.data.truncation_side,

@@ -4,6 +4,10 @@ Every recipe builds its policy with ``build_policy`` (tokenizer, model, the root
 what its loss needs, MLP recompute + activation checkpointing + FSDP through ``parallelize``), its
 batch geometry with ``batch_geometry``, the loop's settings with ``loop_settings``, and ends with
 ``export_final`` and ``finish`` (the one-screen summary).
+
+``model.lora`` is applied here and only here (``build_policy``, through ``posttrain.models.lora``), so every
+recipe that builds its policy this way trains adapters when it is set, and ``export_final`` writes the
+adapter and the merged model.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ import torch
 from posttrain import dist
 from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
-from posttrain.models.load import load_model, load_tokenizer
+from posttrain.models.load import DTYPES, load_model, load_tokenizer
+from posttrain.models.lora import (
+    LoraSetupError,
+    apply_lora,
+    describe,
+    export_adapter_and_merged,
+    parameter_counts,
+    quantization_config,
+)
 from posttrain.models.tiny import count_parameters
 from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
@@ -115,33 +127,52 @@ def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
     return geometry
 
 
+def base_quantization(config: TrainingRecipe):
+    """The ``BitsAndBytesConfig`` a loader passes to ``from_pretrained`` for QLoRA (None otherwise)."""
+    lora = config.model.lora
+    if lora is None or lora.quantize == "none":
+        return None
+    return quantization_config(lora, DTYPES[config.model.dtype], dist.device())
+
+
 def load_causal_lm(config: TrainingRecipe, tokenizer) -> torch.nn.Module:  # noqa: ARG001 - loader signature
     model = config.model
-    return load_model(model.path, model.dtype, model.attn_implementation, model.trust_remote_code)
+    quantization = base_quantization(config)
+    device = dist.device() if quantization is not None else "cpu"
+    return load_model(model.path, model.dtype, model.attn_implementation, model.trust_remote_code, device, quantization)
 
 
 def build_policy(
     config: TrainingRecipe,
     wrap: Callable[[torch.nn.Module], torch.nn.Module],
     load_lm: Callable[[TrainingRecipe, object], torch.nn.Module] = load_causal_lm,
+    lora_task: str = "CAUSAL_LM",
 ) -> tuple[torch.nn.Module, torch.nn.Module, object]:
-    """Load tokenizer and model, wrap the model in the root module the loss calls, then ``parallelize``.
+    """Load tokenizer and model, add LoRA adapters (``model.lora``), wrap the model in the root module the
+    loss calls, then ``parallelize``.
 
     ``wrap(lm)`` builds the root (``TokenLogprobModel`` for SFT, ``PairLogprobModel`` for DPO,
-    ``RewardModel`` for RM); ``load_lm`` loads the HF model (a causal LM by default). Returns
-    ``(root, lm, tokenizer)``; ``root.lm`` is the plain HF model, for export.
+    ``RewardModel`` for RM); ``load_lm`` loads the HF model (a causal LM by default); ``lora_task`` is
+    peft's task (``SEQ_CLS`` also trains a reward model's score head). Returns ``(root, lm, tokenizer)``;
+    ``root.lm`` is the HF model — a peft ``PeftModel`` around it with LoRA — for export and generation.
     """
+    train, lora = config.train, config.model.lora
+    if lora is not None and lora.quantize != "none" and uses_fsdp(train.fsdp):
+        raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' "
+                             "4-bit weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     lm = load_lm(config, tokenizer)
     lm.config.use_cache = False
+    if lora is not None:
+        lm = apply_lora(lm, lora, lora_task)
+    trainable, total = parameter_counts(lm)
     root = wrap(lm)
-    train = config.train
     applied = parallelize(
         root, lm, fsdp=train.fsdp, precision=train.precision, cpu_offload=train.cpu_offload,
         activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
         recompute_mlp=train.recompute_mlp,
     )
-    say(f"model {config.model.path}: {count_parameters(lm) / 1e6:.2f}M parameters; {applied}")
+    say(f"model {config.model.path}: {describe(lora, trainable, total)}; {applied}")
     return root, lm, tokenizer
 
 
@@ -186,8 +217,18 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
     )
 
 
-def export_final(run: Run, root: torch.nn.Module, lm: torch.nn.Module, tokenizer) -> Path:
-    """Gather the full weights (a collective) and write ``output_dir/final`` in HF format on rank 0."""
+def export_final(run: Run, root: torch.nn.Module, lm: torch.nn.Module, tokenizer,
+                 load_lm: Callable[[TrainingRecipe, object], torch.nn.Module] = load_causal_lm) -> Path:
+    """Gather the full weights (a collective) and write ``output_dir/final`` in HF format on rank 0.
+
+    With ``model.lora``: ``output_dir/adapter`` (peft) and ``output_dir/final`` (the adapter merged into a
+    full-precision base that ``load_lm`` loads on rank 0; ``posttrain.models.lora``).
+    """
+    lora = run.config.model.lora
+    if lora is not None:
+        unquantized = run.config.model_copy(deep=True)
+        unquantized.model.lora.quantize = "none"
+        return export_adapter_and_merged(root, tokenizer, run.output_dir, lambda: load_lm(unquantized, tokenizer))
     state = full_model_state_dict(root)
     final = run.output_dir / "final"
     if dist.is_main():

@@ -151,3 +151,14 @@ def test_the_health_guard_skips_a_spiking_step(tiny_model_dir, rl_data, tmp_path
         tiny_model_dir, rl_data, out, **{"debug.spike_steps": "[2]", "train.max_steps": 4})]) == 0
     skipped = [a for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "skipped_update"]
     assert [a["step"] for a in skipped] == [2] and "grad norm" in skipped[0]["reason"]
+
+
+def test_lora_grpo_uses_the_adapter_disabled_base_as_its_reference(tiny_model_dir, rl_data, tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["grpo", "--config", "grpo_tiny", *grpo_overrides(
+        tiny_model_dir, rl_data, out, **{"model.lora.r": 4, "rl.kl_beta": 0.1, "train.lr": 1e-2})]) == 0
+    assert "the policy with its LoRA adapters disabled" in capsys.readouterr().err
+    kl = [r["kl"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert kl[0] == pytest.approx(0.0, abs=1e-7)  # LoRA starts as the identity: the policy is the base
+    assert kl[-1] > 1e-6  # the adapters moved the policy away from the base it is measured against
+    assert (out / "adapter" / "adapter_config.json").exists() and (out / "final" / "model.safetensors").exists()

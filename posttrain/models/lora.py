@@ -1,0 +1,182 @@
+"""LoRA and QLoRA adapters through peft: applied once, in ``posttrain.train.runner.build_policy``.
+
+``model.lora`` (``posttrain.config.sections.LoraConfig``) turns every training recipe (SFT, DPO, RM, and
+any later one that builds its policy with ``build_policy``) into adapter training:
+
+- ``apply_lora`` wraps the HF model in a peft ``PeftModel`` *before* ``parallelize`` (so MLP recompute,
+  activation checkpointing and FSDP2 see the adapter layers). Each adapted linear layer computes
+  ``W x + (alpha / r) · B A dropout(x)`` with ``W`` frozen, ``A`` [r × in] Kaiming-uniform and ``B``
+  [out × r] zero at the start, so step 0 is exactly the base model (Hu et al. 2021, "LoRA").
+  Only ``A`` and ``B`` train — and, for a reward model, its score head (peft's ``SEQ_CLS`` task puts
+  the head in ``modules_to_save``: a freshly initialised head has to learn its whole weight, a low-rank
+  update of a random matrix would not do). The loop builds its optimizer from the parameters with
+  ``requires_grad``, so it holds only these.
+- ``quantize: 4bit`` is QLoRA (Dettmers et al. 2023): the frozen base is loaded as 4-bit NF4 with double
+  quantisation through bitsandbytes, computing in ``model.dtype``; the adapters stay in float32.
+  ``check_4bit_support`` tries a real quantise/dequantise round trip on the device first, so a platform
+  bitsandbytes cannot serve fails at start with one line. QLoRA runs in one process: FSDP2 does not
+  shard bitsandbytes' packed 4-bit weights.
+- ``adapter_disabled(root)``: the frozen base, for a reference model that costs no second copy (DPO's
+  reference log-probs; GRPO's KL term).
+- ``export_adapter_and_merged``: ``output_dir/adapter`` (peft format: ``PeftModel.from_pretrained``) and
+  ``output_dir/final`` (the adapter merged into the base, plain HF: ``AutoModelForCausalLM``), so every
+  stage that reads ``final`` (eval, sample, the flywheel) works unchanged. The merge is done on rank 0
+  into a fresh full-precision load of ``model.path``; with QLoRA that is the original base, not its
+  4-bit copy (the usual QLoRA practice: the merged model is full precision).
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+import warnings
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from posttrain import dist
+
+ADAPTER_DIR = "adapter"
+PEFT_MISSING = "model.lora needs peft: pip install 'posttrain[lora]'"
+BNB_MISSING = "model.lora.quantize=4bit needs bitsandbytes: pip install 'posttrain[qlora]'"
+
+
+class LoraSetupError(RuntimeError):
+    """``model.lora`` cannot be set up as asked (peft or bitsandbytes missing, 4-bit unsupported on this
+    platform or under FSDP, no module matches ``target_modules``); the one-line message says what to do."""
+
+
+def _peft():
+    try:
+        import peft
+    except ImportError:
+        raise LoraSetupError(PEFT_MISSING) from None
+    return peft
+
+
+def is_lora(module: torch.nn.Module) -> bool:
+    """``module`` is a peft model (checked without importing peft when nothing imported it)."""
+    peft = sys.modules.get("peft")
+    return peft is not None and isinstance(module, peft.PeftModel)
+
+
+def find_lora(root: torch.nn.Module) -> torch.nn.Module | None:
+    """The peft model inside a recipe's root module (``root.lm``), or None for full fine-tuning."""
+    lm = getattr(root, "lm", root)
+    return lm if is_lora(lm) else None
+
+
+def check_4bit_support(device: torch.device | str) -> None:
+    """Raise ``LoraSetupError`` (one line) unless bitsandbytes can quantise to NF4 on ``device``."""
+    try:
+        import bitsandbytes
+        import bitsandbytes.functional as bnbf
+    except ImportError:
+        raise LoraSetupError(BNB_MISSING) from None
+    except Exception as exc:  # noqa: BLE001 - a broken native library raises anything on import
+        raise LoraSetupError(f"model.lora.quantize=4bit: bitsandbytes does not load here "
+                                      f"({type(exc).__name__}: {exc}); use model.lora.quantize=none") from None
+    probe = torch.linspace(-1.0, 1.0, 4096, device=device).reshape(64, 64)
+    try:
+        packed, state = bnbf.quantize_4bit(probe, quant_type="nf4")
+        error = (bnbf.dequantize_4bit(packed, state, quant_type="nf4").float() - probe).abs().max().item()
+    except Exception as exc:  # noqa: BLE001 - each backend fails its own way
+        raise LoraSetupError(
+            f"model.lora.quantize=4bit: bitsandbytes {bitsandbytes.__version__} cannot quantise to 4 bits on "
+            f"{torch.device(device).type} ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+            "use model.lora.quantize=none"
+        ) from None
+    if not error < 0.2:  # NF4 of values in [-1, 1] is off by at most half a code step (~0.1)
+        raise LoraSetupError(f"model.lora.quantize=4bit: bitsandbytes {bitsandbytes.__version__} on "
+                                      f"{torch.device(device).type} round-trips NF4 with error {error:.3g}; "
+                                      "use model.lora.quantize=none")
+
+
+def quantization_config(lora, dtype: torch.dtype, device: torch.device | str):
+    """The ``BitsAndBytesConfig`` for ``model.lora.quantize=4bit`` (after checking the platform), else None."""
+    if lora is None or lora.quantize == "none":
+        return None
+    check_4bit_support(device)
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype)
+
+
+def apply_lora(lm: torch.nn.Module, lora, task: str = "CAUSAL_LM") -> torch.nn.Module:
+    """Wrap ``lm`` in a peft model with ``lora``'s adapters; everything but the adapters is frozen.
+
+    ``task``: ``CAUSAL_LM``, or ``SEQ_CLS`` for a reward model (its ``score`` head trains in full, through
+    ``modules_to_save``).
+    """
+    peft = _peft()
+    config = peft.LoraConfig(
+        r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+        target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
+        task_type=task, modules_to_save=["score"] if task == "SEQ_CLS" else None,
+    )
+    try:
+        with warnings.catch_warnings():  # peft asks transformers a question transformers 5 renamed
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+            return peft.get_peft_model(lm, config)
+    except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
+        raise LoraSetupError(f"model.lora.target_modules={lora.target_modules!r}: {exc}") from None
+
+
+def parameter_counts(lm: torch.nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameters; 4-bit weights count as the values they hold, not their bytes."""
+    if is_lora(lm):
+        return lm.get_nb_trainable_parameters()
+    params = list(lm.parameters())
+    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+
+
+def describe(lora, trainable: int, total: int) -> str:
+    """One line for the run's start: what trains, out of how much."""
+    if lora is None:
+        return f"{total / 1e6:.2f}M parameters, all trainable (full fine-tuning)"
+    base = "4-bit NF4 base (QLoRA)" if lora.quantize == "4bit" else "frozen base"
+    return (f"{total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable ({100 * trainable / total:.2f}%): "
+            f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules}, {base}")
+
+
+@contextmanager
+def adapter_disabled(root: torch.nn.Module):
+    """Inside, ``root`` computes with its adapters off: the frozen base model (a no-op without LoRA)."""
+    lm = find_lora(root)
+    if lm is None:
+        yield root
+        return
+    with lm.disable_adapter():
+        yield root
+
+
+def export_adapter_and_merged(root: torch.nn.Module, tokenizer, output_dir: Path, load_base) -> Path:
+    """Write ``output_dir/adapter`` (peft) and ``output_dir/final`` (merged, plain HF); return ``final``.
+
+    A collective: every rank gathers the trainable weights (adapters, and a reward model's head); rank 0
+    loads a fresh full-precision base with ``load_base()``, puts them into it and writes both.
+    """
+    from posttrain.train.checkpoint import export_hf, full_model_state_dict, quiet_hf_progress
+
+    lm = find_lora(root)
+    state = full_model_state_dict(root, trainable_only=True)
+    final, adapter_dir = output_dir / "final", output_dir / ADAPTER_DIR
+    if dist.is_main():
+        peft = _peft()
+        quiet_hf_progress()
+        trained = {key.removeprefix("lm."): value for key, value in state.items()}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
+            model = peft.get_peft_model(load_base(), copy.deepcopy(lm.peft_config[lm.active_adapter]))
+        result = model.load_state_dict(trained, strict=False)
+        expected = {name for name, p in model.named_parameters() if p.requires_grad}
+        if result.unexpected_keys or expected - trained.keys():
+            raise RuntimeError(f"LoRA export: the trained weights do not fit a fresh adapter (unexpected "
+                               f"{result.unexpected_keys[:3]}, missing {sorted(expected - trained.keys())[:3]})")
+        model.save_pretrained(adapter_dir, safe_serialization=True)
+        merged = model.merge_and_unload()
+        export_hf(merged, merged.state_dict(), tokenizer, final)
+    dist.barrier()
+    return final
