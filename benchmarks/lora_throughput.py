@@ -22,16 +22,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from sft_throughput import (  # noqa: E402 - the harness this benchmark reuses
-    Child,
-    build_default_inputs,
-    combine,
-    count_model_parameters,
-    drive,
-    machine,
-    paired_speed_ratio,
-    tokenized_chats,
-)
+from _harness import Child, count_model_parameters, drive, machine, paired_speed_ratio  # noqa: E402
+from sft_throughput import build_default_inputs, combine, describe_figures, tokenized_chats  # noqa: E402 - the SFT children
 
 RUNS = {"posttrain_full": ("posttrain", False), "posttrain_lora": ("posttrain", True), "trl_lora": ("trl", True)}
 
@@ -91,8 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     load_at_start = os.getloadavg()[0]
     for repeat in range(args.repeats):
         order = names if repeat % 2 == 0 else names[::-1]
-        children = [Child(RUNS[name][0], {**spec, "lora": lora if RUNS[name][1] else None}, work_dir,
-                          f"{name}-r{repeat}") for name in order]
+        sft_script = Path(__file__).resolve().parent / "sft_throughput.py"  # its children run both frameworks
+        children = [Child(sft_script, RUNS[name][0], {**spec, "lora": lora if RUNS[name][1] else None}, work_dir,
+                          f"{name}-r{repeat}", describe_figures) for name in order]
         for name, figures in zip(order, drive(children, args.warmup_steps + args.steps), strict=True):
             results[name].append(figures)
     pooled = {name: combine(runs) for name, runs in results.items()}
@@ -115,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     def compare(ours: str, theirs: str) -> dict:
         return {
             "tokens_per_s": round(pooled[ours]["tokens_per_s"] / pooled[theirs]["tokens_per_s"], 3),
-            "tokens_per_s_paired": paired_speed_ratio(results[ours], results[theirs]),
+            "tokens_per_s_paired": paired_speed_ratio(results[ours], results[theirs], "step_tokens"),
             "peak_rss": round(pooled[ours]["peak_rss_mb"] / pooled[theirs]["peak_rss_mb"], 3),
         }
 

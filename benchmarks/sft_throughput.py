@@ -229,7 +229,7 @@ def run_trl_child(spec: dict) -> dict:
 # ----------------------------------------------------------------------------- parent
 
 
-def _describe(figures: dict) -> str:
+def describe_figures(figures: dict) -> str:
     return (
         f"{figures['tokens_per_s']:.0f} tok/s, median step {figures['median_step_s']:.3f}s "
         f"(fastest {min(figures['step_times_s']):.3f}s, CPU {statistics.median(figures['step_cpu_s']):.3f}s)"
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
         else:  # one at a time, alternating the order between repeats
             groups = [[key] for key in (plan if repeat % 2 == 0 else plan[::-1])]
         for group in groups:
-            children = [Child(__file__, f, {**spec, "ac": mode}, work_dir, f"{f}-ac_{mode}-r{repeat}", _describe)
+            children = [Child(__file__, f, {**spec, "ac": mode}, work_dir, f"{f}-ac_{mode}-r{repeat}", describe_figures)
                         for f, mode in group]
             for (framework, mode), figures in zip(group, drive(children, total_steps), strict=True):
                 results[(framework, mode)].append(figures)
