@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 
@@ -72,3 +74,30 @@ def configure_threads(requested: int | None = None) -> ThreadChoice:
     if "torch" in sys.modules:
         sys.modules["torch"].set_num_threads(choice.threads)
     return choice
+
+
+# One decode step of a small model (2 · parameters · rows FLOPs) is too little work to split over sleeping
+# threads: under OMP_WAIT_POLICY=PASSIVE every op pays a thread wake-up. Measured on 2 cores: a
+# 4.3M-parameter model decoding 32 rows (0.27 GFLOP per step) takes 0.25 s instead of 0.42 s with its
+# decode steps on one thread (benchmarks/README.md, grpo_throughput); a 43M one (2.7 GFLOP per step)
+# is 1.3x slower on one thread than on two, so it keeps both.
+SMALL_STEP_FLOPS = 1e9
+
+
+@contextmanager
+def one_thread_for_small_steps(flops_per_step: float) -> Iterator[int]:
+    """Inside, torch uses one thread when each step is below ``SMALL_STEP_FLOPS`` and threads sleep while they
+    wait (PASSIVE, posttrain's default); otherwise nothing changes. Yields the thread count in use."""
+    import torch
+
+    current = torch.get_num_threads()
+    passive = os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
+    if current == 1 or not passive or flops_per_step >= SMALL_STEP_FLOPS:
+        yield current
+        return
+    torch.set_num_threads(1)
+    try:
+        yield 1
+    finally:
+        torch.set_num_threads(current)
+

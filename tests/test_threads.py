@@ -88,3 +88,24 @@ def test_the_cli_configures_threads_before_running_a_command(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     threads, wait = json.loads(proc.stdout.strip().splitlines()[-1])
     assert threads is not None and int(threads) >= 1 and wait == "PASSIVE"
+
+
+def test_small_steps_run_on_one_thread_only_when_threads_sleep(monkeypatch):
+    import torch
+
+    from posttrain.threads import SMALL_STEP_FLOPS, one_thread_for_small_steps
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+        with one_thread_for_small_steps(SMALL_STEP_FLOPS / 4) as inside:
+            assert inside == torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2  # restored
+        with one_thread_for_small_steps(SMALL_STEP_FLOPS * 4) as inside:
+            assert inside == torch.get_num_threads() == 2  # enough work per step to share
+        monkeypatch.setenv("OMP_WAIT_POLICY", "ACTIVE")
+        with one_thread_for_small_steps(SMALL_STEP_FLOPS / 4) as inside:
+            assert inside == 2  # spinning threads wake for free: keep them
+    finally:
+        torch.set_num_threads(before)

@@ -45,6 +45,7 @@ from posttrain.generate.sampling import (
     token_logprobs,
 )
 from posttrain.progress import progress as progress_bar
+from posttrain.threads import one_thread_for_small_steps
 
 __all__ = [
     "BACKENDS",
@@ -157,6 +158,7 @@ class HFBackend:
         # transformers >= 5.x names the cache argument `cache`; earlier versions `past_key_values`.
         self._cache_kwarg = "cache" if "cache" in forward_params else "past_key_values"
         self._supports_logits_to_keep = "logits_to_keep" in forward_params
+        self.parameter_count = sum(p.numel() for p in model.parameters())
 
     @classmethod
     def from_path(cls, path: str | Path, dtype: str = "float32", device: str | None = None) -> HFBackend:
@@ -250,32 +252,34 @@ class HFBackend:
         logprobs: list[list[float]] = [[] for _ in prompt_ids]
         finish: list[str | None] = [None] * len(prompt_ids)
         active = list(range(len(prompt_ids)))  # batch rows (original indices) still decoding
-        for step in range(params.max_new_tokens):
-            tokens, token_lps = self._choose(logits, None if uniforms is None else uniforms[:, step], params)
-            if token_lps is not None:
-                for value, row in zip(token_lps.tolist(), active, strict=True):
-                    logprobs[row].append(value)
-            for token, row in zip(tokens.tolist(), active, strict=True):
-                generated[row].append(token)
-                if token in self.eos_ids:
-                    finish[row] = "eos"
-                elif params.stop and cut_at_stop(self._decode(generated[row]), params.stop)[1]:
-                    finish[row] = "stop"
-                elif step == params.max_new_tokens - 1:
-                    finish[row] = "length"
-            keep = [j for j, row in enumerate(active) if finish[row] is None]
-            if not keep:
-                break
-            if len(keep) < len(active):
-                index = torch.tensor(keep, device=self.device)
-                cache.batch_select_indices(index)
-                attention, tokens, next_position = attention[index], tokens[index], next_position[index]
-                if uniforms is not None:
-                    uniforms = uniforms[index.cpu()]
-                active = [active[j] for j in keep]
-            attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
-            logits = self._forward(tokens[:, None], attention, next_position[:, None], cache)
-            next_position = next_position + 1
+        # Decode steps of a small model are too little work to share out over sleeping threads.
+        with one_thread_for_small_steps(2 * self.parameter_count * len(active)):
+            for step in range(params.max_new_tokens):
+                tokens, token_lps = self._choose(logits, None if uniforms is None else uniforms[:, step], params)
+                if token_lps is not None:
+                    for value, row in zip(token_lps.tolist(), active, strict=True):
+                        logprobs[row].append(value)
+                for token, row in zip(tokens.tolist(), active, strict=True):
+                    generated[row].append(token)
+                    if token in self.eos_ids:
+                        finish[row] = "eos"
+                    elif params.stop and cut_at_stop(self._decode(generated[row]), params.stop)[1]:
+                        finish[row] = "stop"
+                    elif step == params.max_new_tokens - 1:
+                        finish[row] = "length"
+                keep = [j for j, row in enumerate(active) if finish[row] is None]
+                if not keep:
+                    break
+                if len(keep) < len(active):
+                    index = torch.tensor(keep, device=self.device)
+                    cache.batch_select_indices(index)
+                    attention, tokens, next_position = attention[index], tokens[index], next_position[index]
+                    if uniforms is not None:
+                        uniforms = uniforms[index.cpu()]
+                    active = [active[j] for j in keep]
+                attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
+                logits = self._forward(tokens[:, None], attention, next_position[:, None], cache)
+                next_position = next_position + 1
 
         completions = []
         for row, token_ids in enumerate(generated):
