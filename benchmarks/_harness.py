@@ -283,3 +283,22 @@ def gated_callback(gate: StepGate):
 
     return Gated()
 
+
+def gate_posttrain_loop(gate: StepGate) -> None:
+    """Make posttrain's loop take turns through ``gate``: ready when it builds its MetricsSink (right before
+    the first step), done each time it logs a step (at the step's end)."""
+    from posttrain.train import metrics
+
+    original_init, original_log = metrics.MetricsSink.__init__, metrics.MetricsSink.log
+
+    def gated_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        gate.ready()
+
+    def gated_log(self, record, advance=True):
+        original_log(self, record, advance)
+        if advance:
+            gate.step_done()
+
+    metrics.MetricsSink.__init__, metrics.MetricsSink.log = gated_init, gated_log
+

@@ -34,6 +34,7 @@ from _harness import (
     child_main,
     count_model_parameters,
     drive,
+    gate_posttrain_loop,
     gated_callback,
     machine,
     paired_speed_ratio,
@@ -173,7 +174,6 @@ def run_posttrain_child(spec: dict) -> dict:
     import torch
 
     from posttrain.cli import main as cli_main
-    from posttrain.train import metrics
 
     torch.set_num_threads(spec["threads"])
     out = Path(spec["out_dir"])
@@ -204,19 +204,7 @@ def run_posttrain_child(spec: dict) -> dict:
         "metrics.tensorboard": "false",  # TRL runs with report_to="none"
     }
     gate = StepGate(*spec["gate_fds"])
-    # The loop builds its MetricsSink right before the first step and logs each step at its end.
-    original_init, original_log = metrics.MetricsSink.__init__, metrics.MetricsSink.log
-
-    def gated_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        gate.ready()
-
-    def gated_log(self, record, advance=True):
-        original_log(self, record, advance)
-        if advance:
-            gate.step_done()
-
-    metrics.MetricsSink.__init__, metrics.MetricsSink.log = gated_init, gated_log
+    gate_posttrain_loop(gate)
     code = cli_main(["grpo", "--config", spec["recipe"], *(f"{k}={v}" for k, v in overrides.items())])
     if code != 0:
         raise RuntimeError(f"posttrain grpo exited with {code}")

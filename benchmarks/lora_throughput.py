@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _harness import Child, count_model_parameters, drive, machine, paired_speed_ratio  # noqa: E402
-from sft_throughput import build_default_inputs, combine, describe_figures, tokenized_chats  # noqa: E402 - the SFT children
+from sft_throughput import add_run_arguments, build_default_inputs, combine, describe_figures, tokenized_chats  # noqa: E402 - the SFT children
 
 RUNS = {"posttrain_full": ("posttrain", False), "posttrain_lora": ("posttrain", True), "trl_lora": ("trl", True)}
 
@@ -44,13 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", help="HF model directory (default: sft_throughput's ~5M-parameter Llama)")
     parser.add_argument("--data", help="SFT JSONL (default: sft_throughput's ~100-token chats)")
     parser.add_argument("--work-dir", default="runs/bench/lora_throughput", help="cache for inputs and runs")
-    parser.add_argument("--chats", type=int, default=2000, help="chats in the default data set")
-    parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (every run)")
-    parser.add_argument("--max-length", type=int, default=512, help="packed row length (every run)")
-    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed optimizer steps before timing")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (every run)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    add_run_arguments(parser)
     parser.add_argument("--rank", type=int, default=16, help="LoRA r")
     parser.add_argument("--alpha", type=float, default=32.0, help="LoRA alpha")
     parser.add_argument("--target-modules", default="all-linear", help="all-linear or a comma list (q_proj,v_proj)")

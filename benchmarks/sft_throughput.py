@@ -32,6 +32,7 @@ from _harness import (
     child_main,
     count_model_parameters,
     drive,
+    gate_posttrain_loop,
     gated_callback,
     machine,
     paired_speed_ratio,
@@ -117,7 +118,6 @@ def run_posttrain_child(spec: dict) -> dict:
     import yaml
 
     from posttrain.cli import main as cli_main
-    from posttrain.train import metrics
 
     torch.set_num_threads(spec["threads"])
     out = Path(spec["out_dir"])
@@ -149,19 +149,7 @@ def run_posttrain_child(spec: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     (out / "bench.yaml").write_text(yaml.safe_dump(config))
     gate = StepGate(*spec["gate_fds"])
-    # The loop builds its MetricsSink right before the first step and logs each step at its end.
-    original_init, original_log = metrics.MetricsSink.__init__, metrics.MetricsSink.log
-
-    def gated_init(self, *args, **kwargs):
-        original_init(self, *args, **kwargs)
-        gate.ready()
-
-    def gated_log(self, record, advance=True):
-        original_log(self, record, advance)
-        if advance:
-            gate.step_done()
-
-    metrics.MetricsSink.__init__, metrics.MetricsSink.log = gated_init, gated_log
+    gate_posttrain_loop(gate)
     code = cli_main(["sft", "--config", str(out / "bench.yaml")])
     if code != 0:
         raise RuntimeError(f"posttrain sft exited with {code}")
@@ -257,18 +245,23 @@ def combine(runs: list[dict]) -> dict:
     }
 
 
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """The SFT run's sizes, shared with ``lora_throughput.py`` (its runs are this script's children)."""
+    parser.add_argument("--chats", type=int, default=2000, help="chats in the default data set")
+    parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (every run)")
+    parser.add_argument("--max-length", type=int, default=512, help="packed row length (every run)")
+    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
+    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed optimizer steps before timing")
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (every run)")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF model directory (default: build a ~5M-parameter Llama, 4k vocab)")
     parser.add_argument("--data", help="SFT JSONL (default: ~100-token chats from posttrain.tasks)")
     parser.add_argument("--work-dir", default="runs/bench/sft_throughput", help="cache for the default model/data and runs")
-    parser.add_argument("--chats", type=int, default=2000, help="chats in the default data set")
-    parser.add_argument("--batch-size", type=int, default=8, help="packed rows per step (both frameworks)")
-    parser.add_argument("--max-length", type=int, default=512, help="packed row length (both frameworks)")
-    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per run")
-    parser.add_argument("--warmup-steps", type=int, default=3, help="untimed optimizer steps before timing")
-    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (both frameworks)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads in every run")
+    add_run_arguments(parser)
     parser.add_argument("--frameworks", default="posttrain,trl", help="comma list of posttrain, trl")
     parser.add_argument(
         "--ac", default="none,full,selective",
