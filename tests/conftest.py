@@ -42,3 +42,18 @@ def tiny_tokenizer(tiny_model_dir):
     from posttrain.models.load import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_reward_model(tiny_model_dir, tmp_path_factory) -> str:
+    """A random one-label sequence classifier on the tiny Llama, saved as `posttrain rm` exports one."""
+    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
+
+    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(config)
+    path = tmp_path_factory.mktemp("rm") / "rm"
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
+    return str(path)
+

@@ -136,19 +136,6 @@ def test_end_to_end_with_the_tiny_policy_and_judge(tiny_model_dir, tmp_path):
     assert again["dataset_id"] == manifest["dataset_id"]  # seeded sampling reproduces
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tiny_model_dir, tmp_path_factory):
-    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
-
-    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    path = tmp_path_factory.mktemp("rm") / "rm"
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
-    return str(path)
-
-
 def test_reward_model_scores_the_last_token_and_ignores_padding(tiny_reward_model):
     scorer = RewardModelScorer(RewardModelConfig(path=tiny_reward_model, batch_size=2))
     prompt = [{"role": "user", "content": "Name a fruit."}]

@@ -173,20 +173,6 @@ def test_code_items_run_in_their_sandbox_from_this_process():
 # --- reward model --------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_reward_model(tiny_model_dir, tmp_path_factory):
-    """A random one-label sequence classifier on the tiny Llama, saved as `posttrain rm` exports one."""
-    from transformers import AutoConfig, AutoTokenizer, LlamaForSequenceClassification
-
-    config = AutoConfig.from_pretrained(tiny_model_dir, num_labels=1)
-    torch.manual_seed(0)
-    model = LlamaForSequenceClassification(config)
-    path = tmp_path_factory.mktemp("rm") / "rm"
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
-    return str(path)
-
-
 def test_reward_model_term_reads_the_model_and_adds_with_weights(tiny_reward_model):
     prompts = [sum_prompt(1, 2), sum_prompt(1, 2), sum_prompt(3, 4)]
     completions = ["3", "a much longer wrong answer: 4", "7"]
