@@ -29,7 +29,7 @@ REWARDS = torch.tensor([2.0, 0.0, 0.0, 4.0, 1.0, 5.0], dtype=F64)
 GROUPS = torch.tensor([7, 3, 7, 3, 7, 9])
 
 
-def _close(actual, expected, atol=1e-9):
+def assert_close_to(actual, expected, atol=1e-9):
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol)
 
 
@@ -42,31 +42,31 @@ def test_grpo_advantages_by_hand_with_the_unbiased_std():
     # prompt 9: a group of one                                         → 0
     s3 = 2 * math.sqrt(2)
     expected = [1 / (1 + EPS), -2 / (s3 + EPS), -1 / (1 + EPS), 2 / (s3 + EPS), 0.0, 0.0]
-    _close(ADVANTAGES.get("grpo")(REWARDS, GROUPS, EPS), expected)
+    assert_close_to(ADVANTAGES.get("grpo")(REWARDS, GROUPS, EPS), expected)
 
 
 def test_grpo_two_samples_give_0707_not_1():
     # G = 2, rewards {0, 1}: mean ½, unbiased std √(½) → ±½/√½ = ±0.70711 (population std ½ would give ±1).
     advantages = ADVANTAGES.get("grpo")(torch.tensor([0.0, 1.0], dtype=F64), torch.tensor([0, 0]), 0.0)
-    _close(advantages, [-math.sqrt(0.5), math.sqrt(0.5)])
+    assert_close_to(advantages, [-math.sqrt(0.5), math.sqrt(0.5)])
 
 
 def test_dr_grpo_advantages_by_hand():
     # r − mean_g: prompt 7 → +1, −1, 0; prompt 3 → −2, +2; prompt 9 → 5 − 5 = 0
-    _close(ADVANTAGES.get("dr_grpo")(REWARDS, GROUPS), [1.0, -2.0, -1.0, 2.0, 0.0, 0.0])
+    assert_close_to(ADVANTAGES.get("dr_grpo")(REWARDS, GROUPS), [1.0, -2.0, -1.0, 2.0, 0.0, 0.0])
 
 
 def test_rloo_advantages_by_hand():
     # prompt 7: 2 − (0+1)/2 = 1.5, 0 − (2+1)/2 = −1.5, 1 − (2+0)/2 = 0; prompt 3: 0 − 4 = −4, 4 − 0 = 4;
     # prompt 9 has no other completion → 0
-    _close(ADVANTAGES.get("rloo")(REWARDS, GROUPS), [1.5, -4.0, -1.5, 4.0, 0.0, 0.0])
+    assert_close_to(ADVANTAGES.get("rloo")(REWARDS, GROUPS), [1.5, -4.0, -1.5, 4.0, 0.0, 0.0])
 
 
 def test_reinforce_pp_baseline_advantages_by_hand():
     # centred x = [1, −2, −1, 2, 0, 0], batch mean 0, population var (1+4+1+4)/6 = 5/3, std √(5/3) ≈ 1.29099
     std = math.sqrt(5 / 3)
     expected = [v / (std + EPS) for v in (1.0, -2.0, -1.0, 2.0, 0.0, 0.0)]  # ≈ [0.7746, −1.5492, …]
-    _close(ADVANTAGES.get("reinforce_pp_baseline")(REWARDS, GROUPS, EPS), expected)
+    assert_close_to(ADVANTAGES.get("reinforce_pp_baseline")(REWARDS, GROUPS, EPS), expected)
 
 
 def test_reinforce_pp_baseline_whitens_over_the_batch_not_the_group():
@@ -74,7 +74,7 @@ def test_reinforce_pp_baseline_whitens_over_the_batch_not_the_group():
     # Per-group whitening would give ±1 for both; batch whitening keeps the 1 : 3 ratio.
     rewards = torch.tensor([0.0, 2.0, 0.0, 6.0], dtype=F64)
     advantages = ADVANTAGES.get("reinforce_pp_baseline")(rewards, torch.tensor([0, 0, 1, 1]), 0.0)
-    _close(advantages, [-1 / math.sqrt(5), 1 / math.sqrt(5), -3 / math.sqrt(5), 3 / math.sqrt(5)])
+    assert_close_to(advantages, [-1 / math.sqrt(5), 1 / math.sqrt(5), -3 / math.sqrt(5), 3 / math.sqrt(5)])
 
 
 @pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce_pp_baseline"])
@@ -92,7 +92,7 @@ def test_advantages_follow_their_completions_under_permutation_and_relabelling(n
     estimator = ADVANTAGES.get(name)
     order = torch.tensor([4, 1, 5, 0, 3, 2])
     relabelled = torch.tensor([{7: 100, 3: -5, 9: 0}[int(g)] for g in GROUPS[order]])
-    _close(estimator(REWARDS[order], relabelled), estimator(REWARDS, GROUPS)[order], atol=1e-12)
+    assert_close_to(estimator(REWARDS[order], relabelled), estimator(REWARDS, GROUPS)[order], atol=1e-12)
 
 
 def test_advantage_dtypes_and_input_checks():
@@ -135,9 +135,9 @@ def test_clipped_loss_values_gradients_and_clip_counts_by_hand():
     # row 1, A = −2: ρ 0.5 → min(−1.0, −0.8·2 = −1.6) = −1.6: ℓ 1.6, grad 0 (low clip)
     #                ρ 1.5 → min(−3.0, −2.56) = −3: ℓ 3, grad 2·1.5 = 3 (no dual clip)
     #                ρ 0.75 → min(−1.5, −1.6) = −1.6: ℓ 1.6, grad 0 (low clip) | ρ 1: ℓ 2, grad 2
-    _close(loss, [[-1.28, -1.25, -0.5, 0.0], [1.6, 3.0, 1.6, 2.0]], atol=1e-12)
+    assert_close_to(loss, [[-1.28, -1.25, -0.5, 0.0], [1.6, 3.0, 1.6, 2.0]], atol=1e-12)
     loss.sum().backward()
-    _close(logp.grad, [[0.0, -1.25, -0.5, 0.0], [0.0, 3.0, 0.0, 2.0]], atol=1e-12)
+    assert_close_to(logp.grad, [[0.0, -1.25, -0.5, 0.0], [0.0, 3.0, 0.0, 2.0]], atol=1e-12)
     assert {k: float(v) for k, v in stats.items()} == {"loss_tokens": 7.0, "clip_low_tokens": 2.0, "clip_high_tokens": 1.0}
 
 
@@ -145,7 +145,7 @@ def test_symmetric_clip_stops_the_token_that_clip_higher_lets_through():
     # ρ = 1.25, A = +1: with clip_high 0.2 the bound is 1.2 → ℓ = −1.2 and gradient 0 (with 0.28 it was −1.25).
     logp, old, adv, mask = _policy_inputs()
     loss, stats = POLICY_LOSSES.get("clipped")(logp, old, adv, mask, 0.2, 0.2)
-    _close(loss[0, 1], -1.2, atol=1e-12)
+    assert_close_to(loss[0, 1], -1.2, atol=1e-12)
     loss.sum().backward()
     assert logp.grad[0, 1] == 0.0 and stats["clip_high_tokens"] == 2.0
 
@@ -154,9 +154,9 @@ def test_reinforce_value_is_minus_a_and_gradient_is_minus_a_grad_logp():
     logp, _, adv, mask = _policy_inputs()
     loss, stats = POLICY_LOSSES.get("reinforce")(logp, None, adv, mask, 0.2, 0.28)
     # value −A per loss token (the ratio to a detached copy is 1), whatever the log-probs and clip bounds
-    _close(loss, [[-1.0, -1.0, -1.0, 0.0], [2.0, 2.0, 2.0, 2.0]], atol=0)
+    assert_close_to(loss, [[-1.0, -1.0, -1.0, 0.0], [2.0, 2.0, 2.0, 2.0]], atol=0)
     loss.sum().backward()
-    _close(logp.grad, [[-1.0, -1.0, -1.0, 0.0], [2.0, 2.0, 2.0, 2.0]], atol=0)
+    assert_close_to(logp.grad, [[-1.0, -1.0, -1.0, 0.0], [2.0, 2.0, 2.0, 2.0]], atol=0)
     assert float(stats["clip_low_tokens"]) == float(stats["clip_high_tokens"]) == 0.0 and stats["loss_tokens"] == 7
 
 
@@ -167,7 +167,7 @@ def test_reinforce_gradient_through_a_model_is_minus_a_times_grad_logp():
     loss, _ = POLICY_LOSSES.get("reinforce")(logp, None, torch.tensor([1.5], dtype=F64), torch.ones(1, 1, dtype=torch.bool))
     loss.sum().backward()
     expected = -1.5 * (torch.tensor([0.0, 0.0, 1.0], dtype=F64) - torch.softmax(theta.detach(), 0))
-    _close(theta.grad, expected, atol=1e-12)
+    assert_close_to(theta.grad, expected, atol=1e-12)
 
 
 def test_clipped_equals_reinforce_on_the_first_update():
@@ -181,8 +181,8 @@ def test_clipped_equals_reinforce_on_the_first_update():
         loss, _ = POLICY_LOSSES.get(name)(logp, base, adv, mask, 0.2, 0.28)
         loss.sum().backward()
         grads.append((loss.detach(), logp.grad))
-    _close(grads[0][0], grads[1][0], atol=1e-12)
-    _close(grads[0][1], grads[1][1], atol=1e-12)
+    assert_close_to(grads[0][0], grads[1][0], atol=1e-12)
+    assert_close_to(grads[0][1], grads[1][1], atol=1e-12)
 
 
 def test_extreme_log_ratio_stays_finite():
@@ -191,7 +191,7 @@ def test_extreme_log_ratio_stays_finite():
     loss, _ = POLICY_LOSSES.get("clipped")(logp, torch.tensor([[-1.0]]), torch.tensor([-1.0]), torch.ones(1, 1), 0.2, 0.2)
     loss.sum().backward()
     assert torch.isfinite(loss).all() and torch.isfinite(logp.grad).all()
-    _close(loss, [[math.exp(20.0)]], atol=1e2)
+    assert_close_to(loss, [[math.exp(20.0)]], atol=1e2)
 
 
 def test_policy_loss_input_checks():
@@ -233,8 +233,8 @@ def test_kl_estimators_values_and_gradients_by_hand():
         logp.grad = None
         kl = KL_ESTIMATORS.get(name)(logp, ref)
         kl.sum().backward()
-        _close(kl, [value], atol=1e-12)
-        _close(logp.grad, [grad], atol=1e-12)
+        assert_close_to(kl, [value], atol=1e-12)
+        assert_close_to(logp.grad, [grad], atol=1e-12)
 
 
 def test_kl_estimators_expected_gradients_over_a_categorical():
@@ -252,9 +252,9 @@ def test_kl_estimators_expected_gradients_over_a_categorical():
     expected_grad = {name: grad(lambda lp, n=name: (weights * KL_ESTIMATORS.get(n)(lp, ref)).sum()) for name in KL_ESTIMATORS}
     reverse = grad(lambda lp: (lp.exp() * (lp - ref)).sum())
     forward = grad(lambda lp: (ref.exp() * (ref - lp)).sum())
-    _close(expected_grad["k1"], torch.zeros(4), atol=1e-12)
-    _close(expected_grad["k2"], reverse, atol=1e-12)
-    _close(expected_grad["k3"], forward, atol=1e-12)
+    assert_close_to(expected_grad["k1"], torch.zeros(4), atol=1e-12)
+    assert_close_to(expected_grad["k2"], reverse, atol=1e-12)
+    assert_close_to(expected_grad["k3"], forward, atol=1e-12)
     assert (reverse - forward).abs().max() > 1e-2  # the two really differ here
 
 
@@ -263,7 +263,7 @@ def test_kl_per_token_masks_padding_exactly():
     ref = torch.tensor([[-2.0, float("nan")]])
     kl = kl_per_token(logp, ref, torch.tensor([[1, 0]]), "k3")
     kl.sum().backward()
-    _close(kl, [[math.exp(-1), 0.0]], atol=1e-6)
+    assert_close_to(kl, [[math.exp(-1), 0.0]], atol=1e-6)
     assert logp.grad[0, 1] == 0.0 and torch.isfinite(logp.grad).all()
 
 
@@ -277,11 +277,11 @@ AGG_MASK = torch.tensor([[1, 1, 1, 0], [1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0]]
 def test_aggregations_by_hand():
     assert loss_units(AGG_MASK) == (6, 3)
     # token_mean: (1+2+3+4+5+6)/6 = 3.5
-    _close(AGGREGATIONS.get("token_mean")(AGG_LOSS, AGG_MASK), 3.5)
+    assert_close_to(AGGREGATIONS.get("token_mean")(AGG_LOSS, AGG_MASK), 3.5)
     # seq_mean_token_mean: (6/3 + 4/1 + 11/2)/3 = (2 + 4 + 5.5)/3 = 3.8333…
-    _close(AGGREGATIONS.get("seq_mean_token_mean")(AGG_LOSS, AGG_MASK), 11.5 / 3)
+    assert_close_to(AGGREGATIONS.get("seq_mean_token_mean")(AGG_LOSS, AGG_MASK), 11.5 / 3)
     # seq_mean_token_sum_norm, L_max = 8: (6/8 + 4/8 + 11/8)/3 = 21/24 = 0.875
-    _close(AGGREGATIONS.get("seq_mean_token_sum_norm")(AGG_LOSS, AGG_MASK, max_new_tokens=8), 0.875)
+    assert_close_to(AGGREGATIONS.get("seq_mean_token_sum_norm")(AGG_LOSS, AGG_MASK, max_new_tokens=8), 0.875)
 
 
 def _split_value_and_grad(name, loss, mask, pieces, max_new_tokens=8):
@@ -313,11 +313,11 @@ def test_aggregation_does_not_change_with_accumulation_or_ranks(name):
     mask = torch.arange(6) < lengths[:, None]
     reference = AGGREGATIONS.get(name)(loss, mask, max_new_tokens=8)
     full_value, full_grad = _split_value_and_grad(name, loss, mask, SPLITS["full"])
-    _close(full_value, reference, atol=0)
+    assert_close_to(full_value, reference, atol=0)
     for pieces in SPLITS.values():
         value, grad = _split_value_and_grad(name, loss, mask, pieces)
-        _close(value, full_value, atol=1e-13)
-        _close(grad, full_grad, atol=1e-15)
+        assert_close_to(value, full_value, atol=1e-13)
+        assert_close_to(grad, full_grad, atol=1e-15)
     # Dyadic losses, power-of-two lengths and counts (16 tokens, 8 sequences, L_max 8) make every partial
     # sum and quotient exact: then the split is bit-identical.
     dyadic = torch.randint(-64, 64, (8, 6)).to(F64) / 8
@@ -346,18 +346,18 @@ def test_rl_token_loss_adds_beta_times_kl_by_hand():
     ref = torch.tensor([[-2.0, -0.5]], dtype=F64)
     mask = torch.ones(1, 2, dtype=torch.bool)
     loss, stats = rl_token_loss(logp, logp.detach(), torch.tensor([1.0], dtype=F64), mask, kl_beta=0.1, ref_logprobs=ref)
-    _close(loss, [[-1 + 0.1 * math.exp(-1), -1.0]], atol=1e-12)
+    assert_close_to(loss, [[-1 + 0.1 * math.exp(-1), -1.0]], atol=1e-12)
     loss.sum().backward()
-    _close(logp.grad, [[-1 + 0.1 * (1 - math.exp(-1)), -1.0]], atol=1e-12)
-    _close(stats["kl_sum"], math.exp(-1), atol=1e-12)
+    assert_close_to(logp.grad, [[-1 + 0.1 * (1 - math.exp(-1)), -1.0]], atol=1e-12)
+    assert_close_to(stats["kl_sum"], math.exp(-1), atol=1e-12)
     # β = 0 with a reference: the loss is the policy loss alone, the KL is still measured
     plain, stats = rl_token_loss(logp, logp.detach(), torch.tensor([1.0], dtype=F64), mask, ref_logprobs=ref)
-    _close(plain, [[-1.0, -1.0]], atol=0)
-    _close(stats["kl_sum"], math.exp(-1), atol=1e-12)
+    assert_close_to(plain, [[-1.0, -1.0]], atol=0)
+    assert_close_to(stats["kl_sum"], math.exp(-1), atol=1e-12)
     # k2 instead: token 0 adds 0.1·½ = 0.05
     k2, _ = rl_token_loss(logp, logp.detach(), torch.tensor([1.0], dtype=F64), mask, kl_beta=0.1, ref_logprobs=ref,
                           kl_estimator="k2")
-    _close(k2, [[-0.95, -1.0]], atol=1e-12)
+    assert_close_to(k2, [[-0.95, -1.0]], atol=1e-12)
 
 
 def test_rl_token_loss_checks_beta_and_reference():
