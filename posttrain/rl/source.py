@@ -36,19 +36,33 @@ from posttrain import dist
 from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, overlong_penalty
 from posttrain.data.records import RLPrompt
 from posttrain.rl.prompts import PromptSampler
+from posttrain.rl.rollout import Rollout, rollout_batch
 from posttrain.train.source import BatchGeometry, StepBatch
 
 
 @dataclass
 class Sample:
-    """One scored completion, as every rank sees it after the gather."""
+    """One scored completion (its rollout, reward and verdict), as every rank sees it after the gather."""
 
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]
-    truncated: bool
+    rollout: Rollout
     reward: float
     passed: bool | None
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        return self.rollout.prompt_ids
+
+    @property
+    def completion_ids(self) -> list[int]:
+        return self.rollout.completion_ids
+
+    @property
+    def logprobs(self) -> list[float]:
+        return self.rollout.logprobs
+
+    @property
+    def truncated(self) -> bool:
+        return self.rollout.truncated
 
 
 @dataclass
@@ -125,8 +139,7 @@ class GRPOSource:
             for rollout in group:
                 reward = scored.rewards[at] - overlong_penalty(len(rollout.completion_ids), self.rl.max_new_tokens,
                                                                self.rl.overlong_buffer, self.rl.overlong_penalty)
-                samples.append(Sample(list(rollout.prompt_ids), list(rollout.completion_ids), list(rollout.logprobs),
-                                      bool(rollout.truncated), float(reward), scored.passed[at]))
+                samples.append(Sample(rollout, float(reward), scored.passed[at]))
                 at += 1
             groups.append(Group(position, index, samples))
         gathered = [g for part in dist.gather_objects(groups) for g in part]
@@ -274,30 +287,17 @@ class GRPOSource:
         return batches
 
     def collate(self, sequences: list[tuple[Sample, float]], counted: list[bool]) -> dict[str, Any]:
-        """Right-padded rows of prompt + completion; labels only on counted completions' tokens."""
+        """``rollout_batch``'s rows (right-padded prompt + completion, old log-probs aligned with the labels)
+        with the advantages; a completion left out of the loss (``rl.mask_truncated``) keeps no label."""
         from posttrain.models.logprobs import IGNORE_INDEX
 
-        width = max(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
-        input_ids = torch.full((len(sequences), width), self.pad_id, dtype=torch.long)
-        labels = torch.full((len(sequences), width), IGNORE_INDEX, dtype=torch.long)
-        attention = torch.zeros((len(sequences), width), dtype=torch.long)
-        old = []
-        for row, ((sample, _), keep) in enumerate(zip(sequences, counted, strict=True)):
-            ids = sample.prompt_ids + sample.completion_ids
-            input_ids[row, : len(ids)] = torch.tensor(ids)
-            attention[row, : len(ids)] = 1
-            if keep and sample.completion_ids:
-                start = len(sample.prompt_ids)
-                labels[row, start : len(ids)] = torch.tensor(sample.completion_ids)
-                old.extend(sample.logprobs)
+        batch = rollout_batch([sample.rollout for sample, _ in sequences], self.pad_id, self.rl.temperature)
+        dropped = torch.tensor([not keep for keep in counted])
+        batch["labels"][dropped] = IGNORE_INDEX
+        batch["advantages"] = torch.tensor([a for _, a in sequences], dtype=torch.float32)
         device = dist.device()
-        return {
-            "input_ids": input_ids.to(device),
-            "labels": labels.to(device),
-            "attention_mask": attention.to(device),
-            "old_logprobs": torch.tensor(old, dtype=torch.float32, device=device),
-            "advantages": torch.tensor([a for _, a in sequences], dtype=torch.float32, device=device),
-        }
+        return {key: batch[key].to(device) for key in ("input_ids", "labels", "attention_mask", "old_logprobs",
+                                                       "advantages")}
 
     # ------------------------------------------------------------------ state
 

@@ -87,7 +87,8 @@ def grpo_loss(config: GRPORecipe):
         keep = labels[:, 1:] != IGNORE_INDEX
         ref = batch.get("ref_logprobs")
         per_token, stats = rl_token_loss(
-            dense(logprobs, keep), dense(batch["old_logprobs"], keep), batch["advantages"], keep,
+            # old_logprobs[:, t] belongs to labels[:, t], which position t - 1 predicts: shift one left.
+            dense(logprobs, keep), batch["old_logprobs"][:, 1:], batch["advantages"], keep,
             policy_loss=rl.policy_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_beta=rl.kl_beta,
             ref_logprobs=dense(ref, keep) if ref is not None else None, kl_estimator=rl.kl_estimator,
         )
@@ -98,7 +99,7 @@ def grpo_loss(config: GRPORecipe):
         low, high = stats["clip_low_tokens"], stats["clip_high_tokens"]
         metrics = {"clip_fraction": (low + high) * scale, "clip_fraction/low": low * scale,
                    "clip_fraction/high": high * scale, "entropy": entropy.detach().sum() * scale,
-                   "log_ratio": (dense(logprobs.detach() - batch["old_logprobs"], keep)).sum() * scale}
+                   "log_ratio": (logprobs.detach() - batch["old_logprobs"][:, 1:][keep]).sum() * scale}
         if "kl_sum" in stats:
             metrics["kl"] = stats["kl_sum"] * scale
         return numerator, metrics
