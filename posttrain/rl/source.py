@@ -296,8 +296,8 @@ class GRPOSource:
         batch["labels"][dropped] = IGNORE_INDEX
         batch["advantages"] = torch.tensor([a for _, a in sequences], dtype=torch.float32)
         device = dist.device()
-        return {key: batch[key].to(device) for key in ("input_ids", "labels", "attention_mask", "old_logprobs",
-                                                       "advantages")}
+        # No attention mask: rows are right-padded, so under causal attention no real token sees a pad.
+        return {key: batch[key].to(device) for key in ("input_ids", "labels", "old_logprobs", "advantages")}
 
     # ------------------------------------------------------------------ state
 

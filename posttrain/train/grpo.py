@@ -25,7 +25,7 @@ from posttrain.generate.engine import SamplingParams
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
 from posttrain.rl.prompts import PromptSampler
 from posttrain.rl.rewards import RewardFunction
-from posttrain.rl.rollout import full_weights, sample_rollouts
+from posttrain.rl.rollout import completion_logprobs, full_weights, sample_rollouts
 from posttrain.rl.source import GRPOSource
 from posttrain.train.loop import train
 from posttrain.train.parallelize import parallelize
@@ -67,13 +67,6 @@ def total_steps(config: GRPORecipe, prompts: int) -> int:
     return max(1, math.floor((train.epochs or 1.0) * prompts / train.global_batch))
 
 
-def dense(flat: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-    """Scatter per-token values at the ``keep`` positions (row-major, as the chunked head returns them) into
-    a zero ``[batch, positions]`` tensor; gradients flow back to ``flat``."""
-    out = flat.new_zeros(keep.shape)
-    return out.index_put((keep.nonzero(as_tuple=True)), flat)
-
-
 def grpo_loss(config: GRPORecipe):
     """The loss the loop calls per micro-batch: the aggregation's numerator (the loop divides by the
     update's global denominator, from ``GRPOSource``) and per-token means of the RL statistics."""
@@ -81,16 +74,13 @@ def grpo_loss(config: GRPORecipe):
     aggregation = AGGREGATIONS.get(rl.aggregation)
 
     def loss(model: torch.nn.Module, batch: dict[str, Any]):
-        labels = batch["labels"]
-        logprobs, _, entropy = model(batch["input_ids"], labels, batch["attention_mask"], None,
-                                     temperature=rl.temperature, return_entropy=True)
-        keep = labels[:, 1:] != IGNORE_INDEX
-        ref = batch.get("ref_logprobs")
+        # [B, L] in the layout of the batch's old_logprobs (posttrain.rl.rollout): the ratio is position-wise.
+        logprobs, entropy = completion_logprobs(model, batch, rl.temperature, return_entropy=True)
+        keep = batch["labels"] != IGNORE_INDEX
         per_token, stats = rl_token_loss(
-            # old_logprobs[:, t] belongs to labels[:, t], which position t - 1 predicts: shift one left.
-            dense(logprobs, keep), batch["old_logprobs"][:, 1:], batch["advantages"], keep,
+            logprobs, batch["old_logprobs"], batch["advantages"], keep,
             policy_loss=rl.policy_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_beta=rl.kl_beta,
-            ref_logprobs=dense(ref, keep) if ref is not None else None, kl_estimator=rl.kl_estimator,
+            ref_logprobs=batch.get("ref_logprobs"), kl_estimator=rl.kl_estimator,
         )
         numerator = aggregation.numerator(per_token, keep, max_new_tokens=rl.max_new_tokens)
         # The loop divides metric sums by the update's normaliser; metric_scale (normaliser / the update's
@@ -99,7 +89,7 @@ def grpo_loss(config: GRPORecipe):
         low, high = stats["clip_low_tokens"], stats["clip_high_tokens"]
         metrics = {"clip_fraction": (low + high) * scale, "clip_fraction/low": low * scale,
                    "clip_fraction/high": high * scale, "entropy": entropy.detach().sum() * scale,
-                   "log_ratio": (logprobs.detach() - batch["old_logprobs"][:, 1:][keep]).sum() * scale}
+                   "log_ratio": (logprobs.detach() - batch["old_logprobs"])[keep].sum() * scale}
         if "kl_sum" in stats:
             metrics["kl"] = stats["kl_sum"] * scale
         return numerator, metrics
@@ -132,9 +122,7 @@ def load_reference(config: GRPORecipe, root: torch.nn.Module):
 
     def logprobs(batch: dict[str, Any]) -> torch.Tensor:
         with torch.no_grad(), autocast(train_cfg.precision, sharded), context(reference):
-            flat, _ = reference(batch["input_ids"], batch["labels"], batch["attention_mask"], None,
-                                temperature=rl.temperature)
-        return flat.float()
+            return completion_logprobs(reference, batch, rl.temperature).float()
 
     return logprobs
 

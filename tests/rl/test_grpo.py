@@ -12,8 +12,8 @@ import torch
 from posttrain.cli import main
 from posttrain.config.loader import load_config
 from posttrain.config.rl import GRPORecipe
-from posttrain.models.logprobs import per_sequence_sum
 from posttrain.rl.rewards import RewardFunction
+from posttrain.rl.rollout import completion_logprobs
 from posttrain.train.grpo import build_grpo, grpo_loss
 from tests.rl.conftest import grpo_overrides
 from tests.train.conftest import final_weights, read_jsonl
@@ -27,9 +27,7 @@ def sequence_logprobs(parts, batch, temperature: float) -> torch.Tensor:
     with torch.no_grad():
         values = []
         for micro in batch.micro_batches:
-            flat, rows = parts.root(micro["input_ids"], micro["labels"], micro["attention_mask"], None,
-                                    temperature=temperature)
-            values.append(per_sequence_sum(flat, rows, micro["input_ids"].shape[0]))
+            values.append(completion_logprobs(parts.root, micro, temperature).sum(dim=1))
     return torch.cat(values)
 
 
