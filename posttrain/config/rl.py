@@ -105,15 +105,10 @@ class RLConfig(StrictModel):
         if self.overlong_buffer >= self.max_new_tokens:
             raise ValueError(f"rl.overlong_buffer={self.overlong_buffer} must be below rl.max_new_tokens="
                              f"{self.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens")
-        filtering = (self.pass_rate_low, self.pass_rate_high) != (0.0, 1.0)
-        if filtering and self.pass_rate_low >= self.pass_rate_high:
+        if (self.pass_rate_low, self.pass_rate_high) != (0.0, 1.0) and self.pass_rate_low >= self.pass_rate_high:
             raise ValueError(f"rl.pass_rate_low={self.pass_rate_low} must be below rl.pass_rate_high="
                              f"{self.pass_rate_high}")
         return self
-
-    @property
-    def difficulty_filter(self) -> bool:
-        return (self.pass_rate_low, self.pass_rate_high) != (0.0, 1.0)
 
 
 class GRPORecipe(TrainingRecipe):

@@ -28,7 +28,7 @@ from posttrain.rl.rewards import RewardFunction
 from posttrain.rl.rollout import completion_logprobs, full_weights, sample_rollouts
 from posttrain.rl.source import GRPOSource
 from posttrain.train.loop import train
-from posttrain.train.parallelize import parallelize
+from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.precision import autocast
 from posttrain.train.runner import build_policy, export_final, finish, loop_settings, say, start_run
 from posttrain.train.sft import curriculum_items
@@ -106,7 +106,7 @@ def load_reference(config: GRPORecipe, root: torch.nn.Module):
 
     rl, train_cfg = config.rl, config.train
     path = rl.reference_model or config.model.path
-    sharded = dist.world_size() > 1 or train_cfg.fsdp == "on"
+    sharded = uses_fsdp(train_cfg.fsdp)
     if config.model.lora is not None and path == config.model.path:
         reference, context = root, adapter_disabled
         say(f"reference for the KL term (β={rl.kl_beta}): the policy with its LoRA adapters disabled")

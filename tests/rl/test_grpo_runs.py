@@ -6,13 +6,12 @@ from __future__ import annotations
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from tests.rl.conftest import grpo_overrides
-from tests.train.conftest import ROOT, env, final_weights, read_jsonl
+from tests.train.conftest import ROOT, env, final_weights, read_jsonl, sigterm_after
 
 RESUME = {"train.max_steps": 6, "train.save_every": 2, "rl.pass_rate_low": 0.0, "rl.pass_rate_high": 0.99,
           "rl.pass_rate_min_tries": 4}
@@ -50,14 +49,8 @@ def test_sigkill_then_resume_is_bit_identical(tiny_model_dir, rl_data, tmp_path)
 def test_sigterm_saves_and_exits_resumable(tiny_model_dir, rl_data, tmp_path):
     out = tmp_path / "run"
     overrides = grpo_overrides(tiny_model_dir, rl_data, out, **{"train.max_steps": 400})
-    proc = subprocess.Popen(grpo_command(overrides), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(read_jsonl(out / "metrics.jsonl")) < 2:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-2000:]
+    code, err = sigterm_after(grpo_command(overrides), out, records=2)
+    assert code == 75, err[-2000:]
     preempted = [a for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "preempted"]
     step = preempted[0]["step"]
     assert (out / "checkpoints" / f"step-{step:06d}" / "manifest.json").exists() and not (out / "final").exists()

@@ -94,3 +94,20 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def sigterm_after(command: list[str], out: Path, records: int) -> tuple[int, str]:
+    """Start ``command``, send it SIGTERM once ``out/metrics.jsonl`` holds ``records`` records (the loop is
+    running), and return its exit code and stderr — the scheduler's preemption notice, as a test."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(read_jsonl(out / "metrics.jsonl")) < records:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+

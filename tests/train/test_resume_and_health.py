@@ -5,20 +5,17 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import subprocess
-import time
 
 import pytest
 
 from tests.train.conftest import (
-    ROOT,
     base_overrides,
-    env,
     final_weights,
     read_jsonl,
     run_in_process,
     run_subprocess,
     sft_command,
+    sigterm_after,
 )
 
 
@@ -87,14 +84,8 @@ def test_corrupt_checkpoint_is_skipped(tiny_model_dir, sft_data, uninterrupted, 
 def test_sigterm_saves_and_exits_resumable(tiny_model_dir, sft_data, tmp_path):
     out = tmp_path / "run"
     overrides = base_overrides(tiny_model_dir, sft_data, out, **{"train.max_steps": 400, "train.batch_size": 2})
-    proc = subprocess.Popen(sft_command(overrides), cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 120
-    while time.time() < deadline and len(read_jsonl(out / "metrics.jsonl")) < 3:
-        time.sleep(0.2)
-    proc.send_signal(signal.SIGTERM)
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err[-2000:]
+    code, err = sigterm_after(sft_command(overrides), out, records=3)
+    assert code == 75, err[-2000:]
     preempted = [a for a in read_jsonl(out / "alerts.jsonl") if a["kind"] == "preempted"]
     assert preempted and preempted[0]["signal"] == "SIGTERM"
     step = preempted[0]["step"]
