@@ -244,6 +244,8 @@ class GRPOSource:
         self._log["sampler_skipped"] = self.sampler.skipped
         total_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
         loss_tokens = sum(len(s.completion_ids) for (s, _), c in zip(sequences, counted, strict=True) if c)
+        if self._log.get("time/generate_s", 0.0) > 0:
+            self._log["generated_tokens_per_s"] = self._log["generated_tokens"] / self._log["time/generate_s"]
         self._sampled_at = time.perf_counter()
         return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
                          loss_tokens=loss_tokens, log=self._log,
@@ -301,16 +303,11 @@ class GRPOSource:
 
     # ------------------------------------------------------------------ state
 
-    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> None:  # noqa: ARG002
-        # The loop logs the step after end_step from the same dict: the training time lands in it here.
-        self._log["time/train_s"] = time.perf_counter() - self._sampled_at
-        generated = self._log.get("generated_tokens", 0)
-        generate_s = self._log.get("time/generate_s", 0.0)
-        if generate_s > 0:
-            self._log["generated_tokens_per_s"] = generated / generate_s
+    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> dict[str, Any]:  # noqa: ARG002
         if accepted:
             self.sampler.record(self._pending)
         self._pending = {}
+        return {"time/train_s": time.perf_counter() - self._sampled_at}
 
     def state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state(), "counters": dict(self.counters),

@@ -267,14 +267,15 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 for update in updates:
                     for key, value in update.metric_sums.items():
                         totals[key] = totals.get(key, 0.0) + value
-                source.end_step(step, accepted, totals)
+                after_step = source.end_step(step, accepted, totals) or {}
                 run.next_step = step + 1
                 if settings.log_unit_ids:
                     _log_units(settings.output_dir, step, batch.unit_ids)
                 elapsed = time.perf_counter() - started
                 summary.add_step(batch.tokens, elapsed, skipped=not accepted)
                 if step % settings.log_every == 0 or run.next_step == total_steps:
-                    sink.log(_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]))
+                    sink.log({**_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]),
+                              **after_step})
                 else:
                     sink.skip()
                 if all(u.ok for u in updates):

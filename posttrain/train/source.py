@@ -5,7 +5,8 @@ this rank's micro-batches, so a source may read them from a fixed stream (SFT, D
 ``StreamSource``) or make them from the current model (an RL source samples rollouts from the weights the
 loop is training). After the step, ``source.end_step`` folds what the step measured into the
 source's own state (BCO's running reward shift, an RL prompt sampler's pass rates) — only for steps
-whose update the health guard accepted, so a skipped batch leaves no trace there either.
+whose update the health guard accepted, so a skipped batch leaves no trace there either. It may
+return log fields known only after the step (an RL source's training time); they join the step's record.
 ``state()`` / ``load_state()`` round-trip that state through every checkpoint, and the loop restores
 it on resume *and* on a health-guard rollback.
 
@@ -126,7 +127,10 @@ class StepSource(Protocol):
 
     def next_step(self, step: int, model: torch.nn.Module) -> StepBatch: ...
 
-    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> None: ...
+    def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> dict[str, Any] | None:
+        """Fold the step into the source's state; may return log fields known only after the step (e.g. how
+        long training took next to sampling), which the loop adds to the step's record."""
+        ...
 
     def state(self) -> dict[str, Any]: ...
 
