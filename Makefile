@@ -4,9 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora
+EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora,s3,prometheus,nvml,wandb,mlflow
 
-.PHONY: demo test lint bench clean chromium bubblewrap
+.PHONY: demo test lint bench clean chromium bubblewrap promtool
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,7 +24,11 @@ chromium:
 bubblewrap:
 	@command -v bwrap >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq bubblewrap >/dev/null)
 
-test: $(BIN)/.installed chromium bubblewrap
+# The Prometheus alert rules are tested with promtool (Debian's prometheus package).
+promtool:
+	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
+
+test: $(BIN)/.installed chromium bubblewrap promtool
 	$(BIN)/python -m pytest -q tests
 
 lint: $(BIN)/.installed

@@ -57,3 +57,65 @@ def tiny_reward_model(tiny_model_dir, tmp_path_factory) -> str:
     AutoTokenizer.from_pretrained(tiny_model_dir).save_pretrained(path)
     return str(path)
 
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """moto's S3 server on 127.0.0.1 for this test session (a real HTTP S3 API, no cloud).
+
+    The endpoint and dummy credentials are put into ``os.environ`` (``AWS_ENDPOINT_URL`` is read by
+    botocore, hence s3fs), so the code under test and every subprocess it starts use this server.
+    """
+    import subprocess
+    import sys
+    import time
+    import urllib.request
+
+    port = _free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            urllib.request.urlopen(endpoint, timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                raise RuntimeError("moto's S3 server did not start") from None
+            time.sleep(0.1)
+    env = {"AWS_ENDPOINT_URL": endpoint, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1"}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    yield endpoint
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    server.terminate()
+    server.wait(timeout=10)
+
+
+@pytest.fixture
+def s3_bucket(s3_endpoint, request) -> str:
+    """A fresh, empty bucket on the loopback S3 server; returns ``s3://<bucket>``."""
+    import re
+    import uuid
+
+    import s3fs
+
+    name = re.sub(r"[^a-z0-9-]", "-", request.node.name.lower())[:40].strip("-") + "-" + uuid.uuid4().hex[:8]
+    fs = s3fs.S3FileSystem(skip_instance_cache=True)
+    fs.mkdir(name)
+    return f"s3://{name}"
