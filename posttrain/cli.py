@@ -55,12 +55,15 @@ BAD_INPUT_ERRORS = (
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)
+# The store is down past store.max_outage_s: nothing is lost, the same command resumes later (exit 75).
+RESUMABLE_ERRORS = (("posttrain.store.run_store", "StoreUnavailable"),)
 # A path given on the command line or in a config that cannot be used as asked.
 BAD_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 EPILOG = f"""\
 exit codes: {EXIT_OK} ok, {EXIT_FAILED} failed, {EXIT_BAD_CONFIG} bad config or input,
-            {EXIT_RESUMABLE} preempted after saving a checkpoint (rerun the same command to resume)
+            {EXIT_RESUMABLE} resumable: preempted after saving a checkpoint, a stall, or the run store
+               unreachable past store.max_outage_s (rerun the same command to resume)
 errors:     one line each; a bug reads `posttrain: internal error: ...` (exit {EXIT_FAILED}):
             rerun with `posttrain --debug COMMAND ...` for the traceback
 threads:    OMP_NUM_THREADS if set, else every core; OMP_WAIT_POLICY=PASSIVE unless set (see posttrain.threads)
@@ -139,6 +142,9 @@ def report_failure(exc: BaseException, debug: bool) -> int:
         print(f"posttrain: invalid config\n{exc}", file=sys.stderr)  # one line per bad key
         return EXIT_BAD_CONFIG
     message = " ".join(str(exc).split()) or type(exc).__name__
+    if _is_one_of(exc, RESUMABLE_ERRORS):
+        print(f"posttrain: {message}; rerun the same command to resume (exit {EXIT_RESUMABLE})", file=sys.stderr)
+        return EXIT_RESUMABLE
     if _is_one_of(exc, ENVIRONMENT_ERRORS):
         print(f"posttrain: {getattr(exc, 'strerror', None) or message}", file=sys.stderr)
         return EXIT_FAILED

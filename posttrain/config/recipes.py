@@ -15,6 +15,7 @@ from posttrain.config.sections import (
     HealthConfig,
     MetricsConfig,
     ModelConfig,
+    StoreConfig,
     TrainConfig,
 )
 
@@ -22,7 +23,7 @@ from posttrain.config.sections import (
 class TrainingRecipe(StrictModel):
     """Fields every training recipe shares (SFT, pretrain, DPO, reward model)."""
 
-    output_dir: str
+    output_dir: str = Field(description="Where the run lives: a local directory or a URL (s3://bucket/prefix).")
     model: ModelConfig
     data: DataConfig = Field(default_factory=DataConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
@@ -30,6 +31,7 @@ class TrainingRecipe(StrictModel):
     alerts: AlertsConfig = Field(default_factory=AlertsConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
 
 
 class SFTRecipe(TrainingRecipe):

@@ -182,6 +182,27 @@ class AlertsConfig(StrictModel):
     timeout_s: float = 5.0
 
 
+class StoreConfig(StrictModel):
+    """``store``: how a run talks to a remote ``output_dir`` (``s3://…``; docs/cloud.md). Unused for a local one."""
+
+    local_dir: str | None = Field(
+        default=None,
+        description="Local mirror of a remote output_dir: checkpoints are written here first, then uploaded. "
+        "Default: $XDG_CACHE_HOME/posttrain/runs/<name>-<hash of the URL>.",
+    )
+    upload: Literal["background", "blocking"] = Field(
+        default="background",
+        description="background: a checkpoint uploads while training goes on (one upload in flight; the next "
+        "save waits for it); blocking: the step waits for the upload.",
+    )
+    backoff_s: float = Field(default=1.0, gt=0, description="First retry delay after a failed store call; doubles up to 30 s.")
+    max_outage_s: float = Field(
+        default=600.0, gt=0,
+        description="A store failing for this long stops the run: alert, exit 75 (resumable). Shorter outages "
+        "are retried while training goes on.",
+    )
+
+
 class DebugConfig(StrictModel):
     """Fault-injection drills: prove that alerts, skips and rollbacks work before a real incident."""
 

@@ -7,8 +7,9 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
   health history, the skip set, and the step source's state (data position, BCO's shift, a sampler's
   pass rates). It is the same on every rank, so one copy serves any number of ranks.
 - ``rng-rank{r}.pt``: each rank's RNG states.
-- ``manifest.json``: written **last**, by rank 0, after every file is fsynced: step, world size, the
-  run's identity (``posttrain.train.identity``) and a sha256 per file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
+- ``manifest.json``: written **last**, by rank 0, after every rank has fsynced and hashed the files it
+  wrote: step, world size, the run's identity (``posttrain.train.identity``) and a sha256 and size per
+  file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
 
 A checkpoint is written to ``step-N.tmp`` and renamed into place after the manifest, so a reader
 never sees a half-written directory under its final name; the manifest check also covers stores
@@ -20,6 +21,9 @@ and the manifest says ``"weights": "trainable"``. The frozen base is not saved: 
 whose content hash is part of the run identity, so a resume with other base files is refused before
 anything loads. With every parameter trainable (full fine-tuning) the checkpoint holds the whole
 model, as it always did.
+
+With a remote ``output_dir`` this is the local half: ``posttrain.store.uploader`` uploads the committed
+directory in the background, manifest last.
 
 A checkpoint written by N ranks loads on M ranks: DCP reshards the model and optimizer to the new
 sharding (or to whole tensors in one process), the trainer state is rank-independent, and a rank with
@@ -33,6 +37,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from contextlib import contextmanager
@@ -65,11 +70,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync_tree(directory: Path) -> None:
-    for path in sorted(directory.rglob("*")):
-        if path.is_file():
-            with open(path, "rb") as handle:
-                os.fsync(handle.fileno())
+def _fsync_dir(directory: Path) -> None:
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -213,6 +214,32 @@ def _only(state: dict[str, Any], keys: set[str] | None) -> dict[str, Any]:
     return {key: value for key, value in state.items() if key in keys}
 
 
+def owner(name: str) -> int:
+    """The rank that writes checkpoint file ``name``: DCP names shards ``__<rank>_<n>.distcp``, each rank its
+    ``rng-rank<r>.pt``; rank 0 writes the rest (``.metadata``, ``trainer.json``, the manifest)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name) or re.fullmatch(r"rng-rank(\d+)\.pt", name)
+    return int(match.group(1)) if match else 0
+
+
+@dataclass
+class SavedCheckpoint:
+    path: Path
+    step: int
+    files: list[str]  # the files this rank wrote (what it uploads to a remote store)
+
+
+def _own_files(staging: Path) -> dict[str, tuple[str, int]]:
+    """sha256 and size of the files this rank wrote, after an fsync each."""
+    mine = {}
+    for path in sorted(staging.rglob("*")):
+        name = str(path.relative_to(staging))
+        if path.is_file() and owner(name) == dist.rank():
+            with open(path, "rb") as handle:
+                os.fsync(handle.fileno())
+            mine[name] = (_sha256(path), path.stat().st_size)
+    return mine
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -221,19 +248,25 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     identity: dict[str, Any],
     keep_last: int,
-) -> Path:
+    per_node_dir: bool = False,
+) -> SavedCheckpoint:
     """Save a sharded checkpoint for ``step`` (a collective: every rank must call it).
 
     ``identity`` (``posttrain.train.identity.RunIdentity.to_dict()``) goes into the manifest, so a later run
-    can tell whether it may resume from here. When a write fails for lack of space on any rank, the
-    half-written ``step-N.tmp`` is removed on every rank's say-so and ``DiskFullError`` is raised: the
-    previous checkpoint stays the newest valid one.
+    can tell whether it may resume from here. Every rank hashes the files it wrote; rank 0 writes the
+    manifest with all of them (sha256 and size). ``per_node_dir``: ``root`` is on each node's own disk (the
+    local mirror of a remote store), so each node's first process prepares and renames its directory; by
+    default ``root`` is one shared directory and rank 0 does. When a write fails for lack of space on any
+    rank, the half-written ``step-N.tmp`` is removed and ``DiskFullError`` is raised: the previous
+    checkpoint stays the newest valid one.
     """
     final = root / f"step-{step:06d}"
     staging = root / f"step-{step:06d}.tmp"
+    leader = dist.local_rank() == 0 if per_node_dir else dist.is_main()
     failure: BaseException | None = None
+    mine: dict[str, tuple[str, int]] = {}
     try:
-        if dist.is_main():
+        if leader:
             shutil.rmtree(staging, ignore_errors=True)
             staging.mkdir(parents=True, exist_ok=True)
         dist.barrier()
@@ -245,6 +278,8 @@ def save_checkpoint(
         if dist.is_main():
             (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, sort_keys=True))
         torch.save(rng_state(), staging / f"rng-rank{dist.rank()}.pt")
+        dist.barrier()
+        mine = _own_files(staging)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure first
         failure = exc  # (DCP's CheckpointException is a BaseException)
     failed = dist.all_reduce_sum(torch.tensor([1.0 if failure is not None else 0.0]))
@@ -252,7 +287,7 @@ def save_checkpoint(
         # Measured before the partial checkpoint is removed: some writers (torch.save's zip writer) report a
         # full disk only as a short write, so the free space is what tells.
         full = failure is not None and (_is_disk_full(failure) or _free_bytes(root) < LOW_SPACE_BYTES)
-        if dist.is_main():
+        if leader:
             shutil.rmtree(staging, ignore_errors=True)
         dist.barrier()
         if failure is None:
@@ -262,14 +297,13 @@ def save_checkpoint(
                                 f"(the partial checkpoint was removed); free space and rerun to resume from the "
                                 "previous checkpoint") from failure
         raise failure
-    dist.barrier()
+    everyone = dist.gather_objects(mine)
     if dist.is_main():
-        _fsync_tree(staging)
-        files = {
-            str(p.relative_to(staging)): _sha256(p) for p in sorted(staging.rglob("*")) if p.is_file()
-        }
+        merged = {name: entry for files in everyone for name, entry in files.items()}
         manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
-                    "identity_hash": identity_hash(identity), "files": files}
+                    "identity_hash": identity_hash(identity),
+                    "files": {name: sha for name, (sha, _) in sorted(merged.items())},
+                    "sizes": {name: size for name, (_, size) in sorted(merged.items())}}
         if trainable is not None:
             manifest["weights"] = "trainable"
         try:
@@ -277,19 +311,22 @@ def save_checkpoint(
                 json.dump(manifest, handle, indent=1, sort_keys=True)
                 handle.flush()
                 os.fsync(handle.fileno())
+            _fsync_dir(staging)
         except OSError as exc:
             shutil.rmtree(staging, ignore_errors=True)
             if exc.errno == errno.ENOSPC:
                 raise DiskFullError(errno.ENOSPC, f"no space left on the device while writing checkpoint {final} "
                                     "(the partial checkpoint was removed); free space and rerun") from exc
             raise
+    dist.barrier()
+    if leader:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
-        _fsync_tree(root)
+        _fsync_dir(root)
         for _, old in _step_dirs(root)[keep_last:]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
-    return final
+    return SavedCheckpoint(final, step, sorted(mine) + ([MANIFEST] if dist.is_main() else []))
 
 
 def identity_hash(identity: dict[str, Any]) -> str:

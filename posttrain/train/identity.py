@@ -1,7 +1,7 @@
 """What makes a run the same run: the rules a resume is checked against.
 
 A run's **identity** is its resolved config without the keys that only say where it lives or how it
-reports (``output_dir`` — copying or moving a run directory does not change the run —, ``train.resume``,
+reports (``output_dir`` — copying or moving a run directory does not change the run —, ``store``, ``train.resume``,
 ``train.log_every``, ``train.keep_last``, ``metrics``, ``alerts``, and the drills' ``debug.crash_at_step``
 and ``debug.log_unit_ids``), plus the **model**: a SHA-256 over the files of
 ``model.path`` (weights, config, tokenizer) and its architecture (from its ``config.json``). Every
@@ -30,6 +30,7 @@ import json
 import shutil
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +39,7 @@ from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_val
 
 FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
-NOT_IDENTITY = ({"output_dir", "metrics", "alerts"},
+NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store"},
                 {"train": {"resume", "log_every", "keep_last"}, "debug": {"crash_at_step", "log_unit_ids"}})
 # model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).
 LORA_KEYS = ("r", "alpha", "target_modules", "quantize")
@@ -146,14 +147,19 @@ def move_previous_run(output_dir: Path) -> Path | None:
     return target
 
 
-def plan_resume(output_dir: Path, identity: RunIdentity, mode: str) -> ResumePlan:
-    """Decide how this run starts (see the module docstring); raises ``ResumeError`` to refuse."""
+def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
+                export_exists: Callable[[str], bool] | None = None) -> ResumePlan:
+    """Decide how this run starts (see the module docstring); raises ``ResumeError`` to refuse.
+
+    ``export_exists(name)``: whether the finished run's export is still there (default: in ``output_dir``;
+    a remote run store asks the store, whose export is not mirrored locally)."""
     if mode == "never":
         moved = move_previous_run(output_dir)
         return ResumePlan(None, None, f"train.resume=never: the previous run was moved to {moved}" if moved else "")
     finished_path = output_dir / FINISHED
     finished = json.loads(finished_path.read_text()) if finished_path.exists() else None
-    if finished is not None and finished.get("export") and not (output_dir / finished["export"]).exists():
+    exists = export_exists or (lambda name: (output_dir / name).exists())
+    if finished is not None and finished.get("export") and not exists(finished["export"]):
         finished = None  # the export was removed: resume from the last checkpoint and export again
     if finished is not None:
         _check_model(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)

@@ -5,8 +5,9 @@ One optimizer step, top to bottom:
    this rank's micro-batches and the step's *global* normaliser;
 2. for each micro-batch: forward, loss ÷ the global normaliser, backward (metrics stay on the device);
 3. clip the gradient norm, ask the health guard, step the optimizer (or skip the update);
-4. tell the source how the step went (``end_step``), log, evaluate and checkpoint when due; on a
-   preemption signal, checkpoint and exit resumable.
+4. tell the source how the step went (``end_step``), log, evaluate and checkpoint when due (to local
+   disk; with a remote run store the upload runs in the background, ``posttrain.store.uploader``); on a
+   preemption signal, checkpoint and exit resumable — and also when the store stays down.
 
 Nothing here assumes the data exists before its step, and the source's state is saved with every
 checkpoint and restored on resume and on a health-guard rollback.
@@ -28,6 +29,8 @@ import torch
 from posttrain import dist
 from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
+from posttrain.store import RunStore
+from posttrain.store.uploader import CheckpointUploader, print_rank_alert
 from posttrain.train.checkpoint import (
     CheckpointInfo,
     latest_valid_checkpoint,
@@ -74,6 +77,9 @@ class LoopSettings:
     log_unit_ids: bool = False
     tensorboard: bool = True
     resume_from: CheckpointInfo | None = None  # chosen by posttrain.train.identity.plan_resume
+    store: RunStore | None = None  # a remote run store gets each checkpoint uploaded (posttrain.store)
+    attempt: str = ""  # this start's id, the same on every rank
+    upload: str = "background"  # store.upload: background | blocking
     summary: RunSummary = field(default_factory=RunSummary)
 
 
@@ -93,10 +99,6 @@ class Preemption:
     def _handle(self, signum, frame) -> None:  # noqa: ARG002 - signal handler signature
         self.requested = True
         self.signal_name = signal.Signals(signum).name
-
-    def agreed(self) -> bool:
-        flag = torch.tensor([1.0 if self.requested else 0.0])
-        return bool(dist.all_reduce_sum(flag).item() > 0)
 
     def __exit__(self, *exc) -> None:
         for sig, handler in self._previous.items():
@@ -164,6 +166,7 @@ class _Run:
         self.next_step, self.optimizer_steps, self.rollbacks = 0, 0, 0
         self.skip: set[int] = set(settings.skip_steps)
         self.last_saved = -1
+        self.uploader = _uploader(settings)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps, "rollbacks": self.rollbacks,
@@ -179,10 +182,47 @@ class _Run:
         self.last_saved = self.next_step
 
     def save(self) -> None:
+        """Checkpoint to local disk; with a remote store, then upload it (in the background unless
+        ``store.upload=blocking``), after the previous upload has finished."""
         s = self.settings
-        save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity,
-                        s.keep_last)
+        if self.uploader is not None:
+            self.uploader.wait()
+        saved = save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(),
+                                s.identity, s.keep_last, per_node_dir=self.uploader is not None)
         self.last_saved = self.next_step
+        if self.uploader is not None:
+            self.uploader.submit(saved.step, saved.path, saved.files)
+            if s.upload == "blocking":
+                self.uploader.wait()
+
+    def store_down(self) -> bool:
+        return self.uploader is not None and self.uploader.down
+
+
+def _uploader(settings: LoopSettings) -> CheckpointUploader | None:
+    store = settings.store
+    if store is None or not store.remote:
+        return None
+    alert = settings.alerts.emit if dist.is_main() else print_rank_alert(dist.rank())
+    return CheckpointUploader(store, dist.rank(), dist.world_size(), settings.keep_last, settings.attempt, alert)
+
+
+def _stop_requests(preemption: Preemption, run: _Run) -> tuple[bool, bool]:
+    """(preempted, store down) as every rank agrees: one small all-reduce per step."""
+    flags = torch.tensor([1.0 if preemption.requested else 0.0, 1.0 if run.store_down() else 0.0])
+    preempted, down = dist.all_reduce_sum(flags).tolist()
+    return preempted > 0, down > 0
+
+
+def _stop_for_store(run: _Run, sink: MetricsSink) -> int:
+    store = run.settings.store
+    run.settings.alerts.emit("stopped_store_unavailable", step=run.next_step, store=store.url if store else None,
+                             message=f"the run store {store.url if store else ''} stayed unavailable past "
+                             f"store.max_outage_s; stopping at step {run.next_step} with exit 75 — rerun the same "
+                             "command to resume from the newest checkpoint in the store")
+    mark_preempted(None)
+    sink.close()
+    return EXIT_RESUMABLE
 
 
 def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: float, elapsed: float,
@@ -293,9 +333,16 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 run.save()
             if settings.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)  # node-loss drill (debug.crash_at_step)
-            if preemption.agreed():
+            preempted, store_down = _stop_requests(preemption, run)
+            if store_down:
+                return _stop_for_store(run, sink)
+            if preempted:
                 if run.last_saved != run.next_step:
                     run.save()
+                if run.uploader is not None:
+                    run.uploader.wait()  # the grace period is for this: the checkpoint must reach the store
+                    if run.uploader.down:
+                        return _stop_for_store(run, sink)
                 settings.alerts.emit("preempted", step=run.next_step, signal=preemption.signal_name,
                                      message=f"preempted by {preemption.signal_name}: checkpoint at step {run.next_step} "
                                      "saved; rerun the same command to resume (exit 75)")
@@ -304,6 +351,10 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 return EXIT_RESUMABLE
     if run.last_saved != run.next_step:
         run.save()
+    if run.uploader is not None:
+        run.uploader.wait()
+        if run.uploader.down:
+            return _stop_for_store(run, sink)
     _evaluate(model, settings, sink, run.next_step)
     summary.steps, summary.optimizer_steps = run.next_step, run.optimizer_steps
     summary.final_loss = sink.last_loss

@@ -15,6 +15,7 @@ from __future__ import annotations
 import errno
 import random
 import sys
+import uuid
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,9 +37,18 @@ from posttrain.models.lora import (
     quantization_config,
 )
 from posttrain.models.tiny import count_parameters
+from posttrain.store import RunStore, StoreUnavailable
 from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
-from posttrain.train.identity import ResumeError, ResumePlan, RunIdentity, plan_resume, write_finished
+from posttrain.train.identity import (
+    FINISHED,
+    RUN_FILES,
+    ResumeError,
+    ResumePlan,
+    RunIdentity,
+    plan_resume,
+    write_finished,
+)
 from posttrain.train.loop import Evaluate, LoopSettings
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.source import BatchGeometry
@@ -53,9 +63,11 @@ def say(message: str) -> None:
 @dataclass
 class Run:
     config: TrainingRecipe
-    output_dir: Path
+    output_dir: Path  # where the run writes: output_dir itself, or the local mirror of a remote one
     identity: RunIdentity
     plan: ResumePlan
+    store: RunStore
+    attempt: str = ""  # this start's id, the same on every rank (names the upload markers of its checkpoints)
 
     @property
     def finished(self) -> bool:
@@ -63,47 +75,74 @@ class Run:
         return self.plan.finished is not None
 
 
+def open_store(config: TrainingRecipe) -> RunStore:
+    store = config.store
+    return RunStore(config.output_dir, store.local_dir, store.backoff_s, store.max_outage_s)
+
+
+def _plan_on_main(config: TrainingRecipe, store: RunStore, identity: RunIdentity):
+    """Rank 0: bring a remote run's state down (or move it aside), decide the resume, write ``config.yaml``."""
+    moved = None
+    if store.remote and config.train.resume == "never":
+        moved = store.move_previous()
+        store.clear_local()
+    elif store.remote:
+        store.sync_down()
+    plan = plan_resume(store.local, identity, config.train.resume, export_exists=store.exists if store.remote else None)
+    if moved:
+        plan.message = f"train.resume=never: the previous run was moved to {moved}"
+    if plan.finished is None:
+        try:
+            dump_config(config, store.local / "config.yaml")
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+            return DiskFullError(errno.ENOSPC, f"no space left on the device for {store.local}: free space and rerun")
+        store.push(("config.yaml",))
+    return plan
+
+
 def start_run(config: TrainingRecipe) -> Run:
-    """Process group, seeds, output directory, the resume decision and the resolved ``config.yaml``.
+    """Process group, seeds, the run store, the resume decision and the resolved ``config.yaml``.
 
     The resume decision (``posttrain.train.identity.plan_resume``) is made once on rank 0, before any data
-    is read, and shared with every rank; a refused resume raises ``ResumeError``. The config is not changed
-    after ``config.yaml`` is written.
+    is read, and shared with every rank; a refused resume raises ``ResumeError``. With a remote
+    ``output_dir`` rank 0 first brings the run's small files and newest valid checkpoint into the local
+    mirror (``posttrain.store``); on other nodes, the first process fetches that checkpoint too. The config is
+    not changed after ``config.yaml`` is written.
     """
     dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
-    output_dir = Path(config.output_dir)
-    plan: ResumePlan | ResumeError | DiskFullError | None = None
-    identity = None
+    store = open_store(config)
+    plan: ResumePlan | Exception | None = None
+    identity, attempt = None, ""
     if dist.is_main():
-        output_dir.mkdir(parents=True, exist_ok=True)
-        identity = RunIdentity.of(config)
+        store.local.mkdir(parents=True, exist_ok=True)
+        identity, attempt = RunIdentity.of(config), uuid.uuid4().hex[:12]
         try:
-            plan = plan_resume(output_dir, identity, config.train.resume)
-        except ResumeError as exc:
+            plan = _plan_on_main(config, store, identity)
+        except (ResumeError, StoreUnavailable, ImportError) as exc:
             plan = exc
-        if isinstance(plan, ResumePlan) and plan.finished is None:
-            try:
-                dump_config(config, output_dir / "config.yaml")
-            except OSError as exc:
-                if exc.errno != errno.ENOSPC:
-                    raise
-                plan = DiskFullError(errno.ENOSPC, f"no space left on the device for {output_dir}: free space and "
-                                     "rerun")
-    identity, plan = dist.broadcast_object((identity, plan))
-    if isinstance(plan, ResumeError | DiskFullError):
+    identity, plan, attempt = dist.broadcast_object((identity, plan, attempt))
+    if isinstance(plan, Exception):
         dist.destroy()
         raise plan
+    if store.remote and plan.checkpoint is not None and dist.local_rank() == 0 and not dist.is_main():
+        store.fetch_checkpoint(plan.checkpoint.step, plan.checkpoint.manifest)  # another node's own disk
+    dist.barrier()
+    where = store.url if store.remote else str(store.local)
     if plan.finished is not None:
-        say(f"{output_dir} holds a finished run ({plan.finished['steps']} steps, exported to "
-            f"{output_dir / (plan.finished['export'] or 'final')}): nothing to do. To train again, use a new "
+        say(f"{where} holds a finished run ({plan.finished['steps']} steps, exported to "
+            f"{where}/{plan.finished['export'] or 'final'}): nothing to do. To train again, use a new "
             "output_dir or train.resume=never")
     elif plan.message:
         say(plan.message)
-    return Run(config, output_dir, identity, plan)
+    if store.remote and dist.is_main():
+        say(f"run store {store.url} (local mirror {store.local})")
+    return Run(config, store.local, identity, plan, store, attempt)
 
 
 def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
@@ -197,6 +236,9 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         peak_flops=train.peak_flops,
         identity=run.identity.to_dict(),
         resume_from=run.plan.checkpoint,
+        store=run.store,
+        attempt=run.attempt,
+        upload=config.store.upload,
         health=HealthGuard(
             spike_ratio=health.spike_ratio,
             window=health.window,
@@ -243,5 +285,10 @@ def finish(name: str, run: Run, settings: LoopSettings, export: Path | None) -> 
     settings.summary.export = str(export) if export is not None else None
     if dist.is_main():
         write_finished(run.output_dir, run.identity, settings.summary.steps, export)
+        # A remote store gets the run's files, finished.json last: a run is finished only once all is there.
+        run.store.push([name for name in RUN_FILES if name not in ("checkpoints", FINISHED)]
+                       + sorted(p.name for p in run.output_dir.glob("quarantine*.jsonl")) + [FINISHED])
+        if run.store.remote:
+            settings.summary.export = f"{run.store.url}/{Path(export).name}" if export is not None else None
     for line in settings.summary.lines(name):
         say(line)
