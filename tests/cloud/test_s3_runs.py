@@ -14,7 +14,15 @@ from safetensors.torch import load
 
 from posttrain.store import RunStore
 from tests.cloud.faulty_proxy import FaultyProxy
-from tests.train.conftest import ROOT, base_overrides, env, final_weights, make_sft_jsonl, run_subprocess, sft_command
+from tests.train.conftest import (
+    ROOT,
+    base_overrides,
+    env,
+    final_weights,
+    make_sft_jsonl,
+    run_subprocess,
+    sft_command,
+)
 
 pytestmark = pytest.mark.slow
 
