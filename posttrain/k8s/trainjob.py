@@ -50,10 +50,13 @@ def runtime(name: str, job: str, group: Group, options: RenderOptions, recipe_co
     pod_labels = labels(job, "worker", group.capacity)
     container = {"name": CONTAINER, "image": options.image, "env": worker_env(options), "ports": ports(options),
                  "volumeMounts": volume_mounts()}
+    runtime_metadata = metadata(name, options, {**pod_labels, "trainer.kubeflow.org/framework": "torch"})
+    if options.runtime_kind == "ClusterTrainingRuntime":
+        runtime_metadata.pop("namespace", None)  # cluster-scoped
     return {
         "apiVersion": API,
         "kind": options.runtime_kind,
-        "metadata": metadata(name, options, {**pod_labels, "trainer.kubeflow.org/framework": "torch"}),
+        "metadata": runtime_metadata,
         "spec": {
             "mlPolicy": {"numNodes": group.nodes, "torch": {}},
             "template": {"spec": {

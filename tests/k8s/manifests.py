@@ -4,7 +4,9 @@ The vendored schemas are the API's own (CRD openAPIV3Schema, Kubernetes' Swagger
 added here, at load time, so that a typo cannot pass: every object that lists ``properties`` rejects others
 (``additionalProperties: false``, what ``kubectl --validate=strict`` does) unless it says it keeps unknown
 fields (``x-kubernetes-preserve-unknown-fields``), and a document's apiVersion/kind must name a vendored schema.
-Kubernetes' own extensions (``x-kubernetes-validations`` CEL rules, list types) are not checked.
+Kubernetes' own extensions (``x-kubernetes-validations`` CEL rules, list types) are not checked. Patterns are
+Go RE2; the one construct Python's ``re`` reads differently, an inline flag after the start (``^(?i)…``), is
+moved to the front.
 """
 
 from __future__ import annotations
@@ -23,11 +25,20 @@ SCHEMA_DIR = REPO / "deploy" / "schemas"
 YAMLLINT_CONFIG = REPO / ".yamllint"
 
 
+def python_pattern(pattern: str) -> str:
+    """An RE2 ``pattern`` as Python's ``re`` reads it: ``^(?i)(a|b)$`` → ``(?i)^(a|b)$``."""
+    if "(?i)" in pattern and not pattern.startswith("(?i)"):
+        return "(?i)" + pattern.replace("(?i)", "", 1)
+    return pattern
+
+
 def strict(node):
     """``node`` with ``additionalProperties: false`` on every object schema that lists its properties."""
     if isinstance(node, dict):
         out = {key: (strict(value) if key != "properties" else {k: strict(v) for k, v in value.items()})
                for key, value in node.items()}
+        if isinstance(out.get("pattern"), str):
+            out["pattern"] = python_pattern(out["pattern"])
         if ("properties" in node and "additionalProperties" not in node
                 and not node.get("x-kubernetes-preserve-unknown-fields")):
             out["additionalProperties"] = False
