@@ -32,6 +32,7 @@ _COMMAND_MODULES = (
     "posttrain.commands.model",
     "posttrain.commands.quickstart",
     "posttrain.commands.launch",
+    "posttrain.commands.k8s",
     "posttrain.generate.cli",
     "posttrain.eval.cli",
 )
@@ -52,6 +53,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
     ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
     ("posttrain.models.lora", "LoraSetupError"),
+    ("posttrain.k8s.options", "RenderError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)
