@@ -65,8 +65,17 @@ def _open_fs(url: str):
     try:
         from fsspec.core import url_to_fs
 
+        options: dict[str, Any] = {}
+        if url.startswith(("s3://", "s3a://")):
+            # RunStore.call retries with backoff up to store.max_outage_s; s3fs's and botocore's own retry
+            # loops (5 × 5 attempts by default) would make one call last minutes and the limit meaningless.
+            options = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"},
+                                         "connect_timeout": 10, "read_timeout": 120}}
         # Listings are never cached: other processes (other ranks, a crashed attempt) write to the same prefix.
-        return url_to_fs(url, skip_instance_cache=True, use_listings_cache=False)
+        fs, root = url_to_fs(url, skip_instance_cache=True, use_listings_cache=False, **options)
+        if hasattr(fs, "retries"):
+            fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor option)
+        return fs, root
     except ImportError as exc:
         scheme = url.split("://", 1)[0]
         extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
@@ -110,12 +119,13 @@ class RunStore:
                 raise
             except Exception as exc:  # noqa: BLE001 - 5xx, resets, timeouts: botocore and aiohttp raise many kinds
                 now = time.monotonic()
-                first_failure = first_failure if first_failure is not None else now
+                if first_failure is None:
+                    first_failure = now
+                    if self.on_retry is not None:  # once per failing call, not once per attempt
+                        self.on_retry(what, exc)
                 if now - first_failure + delay > self.max_outage_s:
                     raise StoreUnavailable(f"{what} on {self.url} kept failing for {now - first_failure:.0f} s "
                                            f"(store.max_outage_s={self.max_outage_s:g}): {exc}") from exc
-                if self.on_retry is not None:
-                    self.on_retry(what, exc)
                 time.sleep(delay)
                 delay = min(delay * 2, MAX_BACKOFF_S)
 

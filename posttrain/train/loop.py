@@ -204,6 +204,10 @@ def _uploader(settings: LoopSettings) -> CheckpointUploader | None:
     if store is None or not store.remote:
         return None
     alert = settings.alerts.emit if dist.is_main() else print_rank_alert(dist.rank())
+    store.on_retry = lambda what, error: alert(
+        "store_retry", what=what, error=str(error)[:300],
+        message=f"run store {store.url}: {what} failed ({str(error)[:200]}); retrying with backoff for up to "
+        f"store.max_outage_s={store.max_outage_s:g} s while training goes on")
     return CheckpointUploader(store, dist.rank(), dist.world_size(), settings.keep_last, settings.attempt, alert)
 
 

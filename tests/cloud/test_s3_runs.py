@@ -157,3 +157,27 @@ def test_a_missing_bucket_is_one_clear_line(tiny_model_dir, sft_data, s3_endpoin
     assert last.startswith("posttrain:") and "no-such-bucket-posttrain" in last, result.stderr[-1500:]
     assert "Traceback" not in result.stderr
 
+
+
+def test_two_ranks_upload_their_own_shards_and_resume_bit_identical(tiny_model_dir, sft_data, s3_bucket,
+                                                                    s3_endpoint, tmp_path):
+    common = {"train.save_every": 2, "train.batch_size": 2, "train.global_batch_size": 4}
+    clean = tmp_path / "clean"
+    proc = run_subprocess(base_overrides(tiny_model_dir, sft_data, clean, **common), nproc=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    url, mirror = f"{s3_bucket}/run", tmp_path / "mirror"
+    overrides = base_overrides(tiny_model_dir, sft_data, url, **common, **{"store.local_dir": mirror})
+    command = sft_command([*overrides, "debug.crash_at_step=4"], nproc=2)
+    crashed = subprocess.run(command, cwd=ROOT, env=s3_env(s3_endpoint), capture_output=True, text=True, timeout=300)
+    assert crashed.returncode != 0
+    store = RunStore(url)
+    step = next(s for s in store.checkpoint_steps() if store.manifest(s)[0] is not None)
+    manifest = store.manifest(step)[0]
+    assert {"__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest["files"])
+    assert not [name for name in store.listdir(f"checkpoints/step-{step:06d}") if name.startswith(".uploaded")]
+    shutil.rmtree(mirror)
+    resumed = subprocess.run(sft_command(overrides, nproc=2), cwd=ROOT, env=s3_env(s3_endpoint),
+                             capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resuming from step {step}" in resumed.stderr
+    assert same(remote_final(url), final_weights(clean))
