@@ -238,6 +238,7 @@ def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: fl
             metric_means[key] = metric_means.get(key, 0.0) + value / norm / len(updates)
     record = {
         "step": step,
+        "time": time.time(),  # when the step ended (dashboards, and the checkpoint-cost benchmark)
         "loss": sum(u.loss for u in updates) / len(updates),
         "grad_norm": updates[-1].grad_norm,
         "lr": lr,
