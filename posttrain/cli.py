@@ -52,9 +52,10 @@ BAD_INPUT_ERRORS = (
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
     ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
     ("posttrain.models.lora", "LoraSetupError"),
+    ("posttrain.data.storage", "StorageUnavailable"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
-ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)
+ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))
 # A path given on the command line or in a config that cannot be used as asked.
 BAD_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 
