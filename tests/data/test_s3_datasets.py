@@ -223,6 +223,29 @@ def read_records_from_rows(rows: list[dict], path, kind: str):
 
 
 @pytest.mark.slow
+def test_two_ranks_split_the_shards_and_share_one_order_and_one_error(s3_bucket, tmp_path):
+    for index in range(5):
+        put(f"{s3_bucket}/split/part-{index}.jsonl", lines(sft_rows(2, start=10 * index)))
+    put(f"{s3_bucket}/bad/part-0.jsonl", lines(sft_rows(1)))
+    put(f"{s3_bucket}/bad/part-1.jsonl", b"not json\n")
+    put(f"{s3_bucket}/bad/part-2.jsonl", lines(sft_rows(1)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+               str(ROOT / "tests" / "data" / "shard_ranks.py"), f"{s3_bucket}/split", f"{s3_bucket}/bad", str(tmp_path)]
+    proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = {name: [json.loads((tmp_path / f"{number}-rank-{r}.json").read_text()) for r in (0, 1)]
+               for number, name in enumerate(("split", "bad"))}
+    zero, one = results["split"]
+    assert zero["parsed"] == ["part-0.jsonl", "part-2.jsonl", "part-4.jsonl"]
+    assert one["parsed"] == ["part-1.jsonl", "part-3.jsonl"]
+    expected = [f"question {i}" for i in (0, 1, 10, 11, 20, 21, 30, 31, 40, 41)]
+    assert zero["records"] == one["records"] == expected and zero["read"] == one["read"] == 10
+    # A bad line in rank 1's shard stops both ranks with the same error naming that shard's line.
+    errors = [result["error"] for result in results["bad"]]
+    assert errors[0] == errors[1] and errors[0].startswith(f"DataError: {s3_bucket}/bad/part-1.jsonl:1: ")
+
+
+@pytest.mark.slow
 def test_two_ranks_reading_s3_shards_equal_one_rank(tiny_model_dir, s3_bucket, tmp_path):
     rows = make_sft_jsonl(tmp_path / "train.jsonl", n=32).read_bytes().splitlines(keepends=True)
     for index in range(4):
