@@ -54,9 +54,10 @@ BAD_INPUT_ERRORS = (
     ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
     ("posttrain.models.lora", "LoraSetupError"),
     ("posttrain.k8s.options", "RenderError"),
+    ("posttrain.data.storage", "StorageUnavailable"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
-ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)
+ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))
 # The store is down past store.max_outage_s: nothing is lost, the same command resumes later (exit 75).
 RESUMABLE_ERRORS = (("posttrain.store.run_store", "StoreUnavailable"),)
 # A path given on the command line or in a config that cannot be used as asked.

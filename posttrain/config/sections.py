@@ -47,8 +47,10 @@ class ModelConfig(StrictModel):
 
 
 class DataConfig(StrictModel):
-    train: str | None = Field(default=None, description="Training data: .jsonl, .parquet or a saved HF dataset.")
-    eval: str | None = None
+    train: str | None = Field(
+        default=None, description="Training data: .jsonl, .parquet or a saved HF dataset, or a directory or glob of "
+        "shard files read in name order; a local path or a URL (s3://bucket/data/train-*.parquet).")
+    eval: str | None = Field(default=None, description="Held-out data, in any form data.train takes.")
     format: Literal["auto", "messages", "sharegpt", "alpaca", "preference", "preference_conversational", "rl"] = "auto"
     on_error: Literal["raise", "quarantine"] = "raise"
     quarantine_path: str | None = Field(

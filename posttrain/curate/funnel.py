@@ -130,8 +130,35 @@ def config_hash(config: BaseModel, exclude: set[str] | None = None) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def _remote_parent_entry(url: str) -> dict[str, Any]:
+    """``parent_entry`` of an object-store file (``s3://…``): content hash read through fsspec."""
+    import fsspec
+
+    from posttrain.data.storage import storage_errors
+
+    with storage_errors(url):
+        digest = hashlib.sha256()
+        with fsspec.open(url, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+        entry: dict[str, Any] = {"path": url, "sha256": digest.hexdigest()}
+        manifest = url.rsplit("/", 1)[0] + "/manifest.json"
+        fs, local = fsspec.core.url_to_fs(manifest)
+        if fs.exists(local):
+            try:
+                data = json.loads(fs.cat_file(local))
+                for output in data.get("outputs", {}).values():
+                    if output.get("sha256") == entry["sha256"]:
+                        entry["dataset_id"] = data.get("dataset_id")
+            except (json.JSONDecodeError, AttributeError):
+                entry["manifest_error"] = "unreadable manifest.json beside this file"
+    return entry
+
+
 def parent_entry(path: str | Path) -> dict[str, Any]:
     """A parent dataset: its content hash, plus its own manifest's dataset id when it has one."""
+    if "://" in str(path) and not str(path).startswith("file://"):
+        return _remote_parent_entry(str(path))
     path = Path(path)
     entry: dict[str, Any] = {"path": str(path), "sha256": file_sha256(path)}
     manifest = path.parent / "manifest.json"

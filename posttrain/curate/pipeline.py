@@ -5,7 +5,9 @@ HF dataset; ``.gz`` too), holding SFT records in any format ``posttrain.data.for
 
 Outputs in ``output_dir``: ``kept.jsonl`` (SFT records with their ids, scores, intent and tier),
 ``dropped.jsonl`` (every removed record with its stage and reason), ``funnel.json`` and
-``manifest.json``; ``cache/`` holds judge results for the next run.
+``manifest.json``; ``cache/`` holds judge results for the next run. ``data.input`` may name shard sets
+(a directory or glob of record files) and object-store URLs; ``output_dir`` may be ``s3://bucket/prefix``
+(staged locally, then uploaded file by file, manifest last; the judge cache is then not kept).
 """
 
 from __future__ import annotations
@@ -133,15 +135,57 @@ def _concatenate(parts: list[str], target: Path) -> int:
     return write_jsonl(str(target), (record for part in parts for _, record in iter_jsonl(part)))
 
 
+# What a run leaves in output_dir, in upload order: the manifest last, so a manifest means the rest is there.
+_OUTPUTS = ("kept.jsonl", "dropped.jsonl", "funnel.json", "manifest.json")
+
+
+def input_paths(config: CurateRecipe) -> list[str]:
+    """``data.input`` with every shard set (a directory or glob, ``posttrain.data.shards``) expanded to its files."""
+    from posttrain.data.shards import list_shards
+
+    paths = []
+    for path in config.data.paths():
+        try:
+            paths += list_shards(path)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"{exc} (data.input: input file not found)") from None
+    return paths
+
+
+def _curate_to_store(config: CurateRecipe) -> dict:
+    """``output_dir`` in an object store: curate in a local staging directory, then upload the outputs, each
+    in full or not at all and the manifest last. The judge cache lives only as long as the staging directory."""
+    import tempfile
+
+    from posttrain.data.storage import AtomicFile, check_bucket
+
+    url = config.output_dir.rstrip("/")
+    check_bucket(url)  # before the work, not after it
+    with tempfile.TemporaryDirectory(prefix="posttrain-curate-") as staging:
+        manifest = curate(config.model_copy(update={"output_dir": staging}))
+        manifest["config"]["output_dir"] = config.output_dir
+        (Path(staging) / "manifest.json").write_text(json.dumps(manifest, indent=2) + "\n", "utf-8")
+        for name in _OUTPUTS:
+            with open(Path(staging) / name, "rb") as source, AtomicFile(f"{url}/{name}", "wb") as target:
+                shutil.copyfileobj(source, target, 1 << 20)
+    return manifest
+
+
 def curate(config: CurateRecipe) -> dict:
-    """Run the pipeline; return the manifest (the funnel is in ``manifest["funnel"]``)."""
+    """Run the pipeline; return the manifest (the funnel is in ``manifest["funnel"]``). An ``output_dir`` in
+    an object store (``s3://…``) is written through a local staging directory (``_curate_to_store``)."""
+    from posttrain.data.storage import is_remote
+
+    if is_remote(config.output_dir):
+        return _curate_to_store(config)
     output = Path(config.output_dir)
     work = output / ".work"
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
     cache_dir = str(output / "cache")
-    sources, total = plan_shards(config.data.paths(), config.executor.shard_size, work)
+    inputs = input_paths(config)
+    sources, total = plan_shards(inputs, config.executor.shard_size, work)
     stages = enabled_stages(config)
     funnel = Funnel([PARSE, *stages])
     funnel.input = total
@@ -180,7 +224,7 @@ def curate(config: CurateRecipe) -> dict:
         output,
         "curate",
         {"kept": kept_path, "dropped": dropped_path},
-        config.data.paths(),
+        inputs,
         config,
         summary,
         exclude=_NOT_IN_CONFIG_HASH,
@@ -192,6 +236,7 @@ def curate(config: CurateRecipe) -> dict:
 def run_curate(config: CurateRecipe) -> int:
     manifest = curate(config)
     print(format_funnel(manifest["funnel"]))
-    print(f"kept → {Path(config.output_dir) / 'kept.jsonl'}  (dataset {manifest['dataset_id']})")
-    print(f"dropped → {Path(config.output_dir) / 'dropped.jsonl'}; funnel.json and manifest.json beside them")
+    out = config.output_dir.rstrip("/")  # a local path or a URL
+    print(f"kept → {out}/kept.jsonl  (dataset {manifest['dataset_id']})")
+    print(f"dropped → {out}/dropped.jsonl; funnel.json and manifest.json beside them")
     return 0

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 KINDS = ("rl", "sft", "eval")
 
@@ -23,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "examples, or `eval` items (the eval split, never trained on).",
     )
     tasks.add_argument("kind", choices=KINDS, help="what to write")
-    tasks.add_argument("out", help="output .jsonl path")
+    tasks.add_argument("out", help="output .jsonl (or .parquet for rl/sft) path, or an object-store URL "
+                       "(s3://bucket/key.jsonl; written in full or not at all)")
     tasks.add_argument("-n", type=int, default=512, help="number of records (eval: items per group × tier cell "
                        "is n // 9, at least 1; default 512)")
     tasks.add_argument("--seed", type=int, default=0, help="seed of the problem generators (default 0)")
@@ -45,8 +45,7 @@ def _write_tasks(args: argparse.Namespace) -> int:
         problem = f"-n must be >= 1 (got {args.n})" if args.n < 1 else f"unknown --group {unknown[0]!r}"
         print(f"posttrain data tasks: {problem}; groups are {', '.join(GROUPS)}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    out = args.out  # a local path or a URL: the writers create parent directories and write atomically
     if args.kind == "eval":
         items = flywheel_suite(n_per_cell=max(1, args.n // 9), seed=args.seed).items
         write_jsonl(str(out), [item.model_dump(mode="json") for item in items])

@@ -11,3 +11,6 @@ class DataError(ValueError):
         where = f"{path}:{line}" if line is not None else path
         what = f"`{field}`: " if field else ""
         super().__init__(f"{where}: {what}{reason}")
+
+    def __reduce__(self):  # pickled to other ranks (posttrain.data.shards): rebuild from the parts, not args
+        return DataError, (self.path, self.line, self.field, self.reason)

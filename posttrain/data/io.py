@@ -42,6 +42,8 @@ from posttrain.data.formats import (
 )
 from posttrain.data.read_report import ReadReport
 from posttrain.data.records import RECORD_KINDS, Record
+from posttrain.data.shards import is_glob, rank_and_world, read_shards
+from posttrain.data.storage import AtomicFile, filesystem, is_remote, not_found, storage_errors
 from posttrain.progress import progress as progress_bar
 
 logger = logging.getLogger("posttrain.data")
@@ -272,17 +274,21 @@ def _iter_saved_dataset(path: str) -> Iterator[tuple[int, dict]]:
 
 
 def is_record_source(path: str) -> bool:
-    """Whether ``path`` names something ``iter_raw_records`` reads: a record file suffix or a directory."""
-    fs, local = fsspec.core.url_to_fs(str(path))
-    return _suffix(str(path)) in RECORD_SUFFIXES or fs.isdir(local)
+    """Whether ``path`` names something ``read_records`` reads: a record file suffix, a directory or a glob."""
+    if is_glob(str(path)):
+        return True
+    fs, local = filesystem(str(path))
+    with storage_errors(str(path)):
+        return _suffix(str(path)) in RECORD_SUFFIXES or fs.isdir(local)
 
 
 def _kind_of_source(path: str) -> str:
-    fs, local = fsspec.core.url_to_fs(path)
-    if fs.isdir(local):
-        return "dataset"
-    if not fs.exists(local):
-        raise FileNotFoundError(f"{path}: no such file or directory")
+    fs, local = filesystem(path)
+    with storage_errors(path):
+        if fs.isdir(local):
+            return "dataset"
+        if not fs.exists(local):
+            raise not_found(path)
     suffix = _suffix(path)
     if suffix == ".parquet":
         return "parquet"
@@ -301,9 +307,10 @@ def source_layout(path: str) -> Layout:
 
 
 def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
-    """``(line, object or BadLine)`` for every line, row or array element of a record source, blank lines
-    included (as ``BLANK_LINE``). Raises ``FileNotFoundError``, or ``DataError`` for an unsupported file
-    type or a JSON array past a syntax error."""
+    """``(line, object or BadLine)`` for every line, row or array element of one record file (or saved
+    dataset), blank lines included (as ``BLANK_LINE``). Raises ``FileNotFoundError``, or ``DataError`` for
+    an unsupported file type or a JSON array past a syntax error. ``read_records`` also reads shard sets
+    (``posttrain.data.shards``)."""
     path = str(path)
     kind = _kind_of_source(path)
     if kind == "dataset":
@@ -318,7 +325,7 @@ def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
 def is_plain_jsonl(path: str) -> bool:
     """A local, uncompressed JSON-lines file: a reader may split it by byte offset (``to_plain_jsonl`` makes one)."""
     path = str(path)
-    fs, _ = fsspec.core.url_to_fs(path)
+    fs, _ = filesystem(path)
     return _is_local(fs) and fsspec.utils.infer_compression(path) is None and source_layout(path) == "lines"
 
 
@@ -371,20 +378,15 @@ def _is_local(fs: Any) -> bool:
 class JsonlWriter:
     """Writes JSON lines to ``path``; on a clean ``close()`` the file replaces ``path`` in one step.
 
-    On local disk the lines go to a temporary name that is renamed into place, so a reader (or a crash)
-    never sees half a file; if the ``with`` block raises, the temporary file is removed and ``path`` is
-    untouched. Other fsspec URLs are written in one upload. ``.gz`` and friends compress.
+    A reader (or a crash) never sees half a file, on local disk or in an object store
+    (``posttrain.data.storage.AtomicFile``); if the ``with`` block raises, the partial file is removed and
+    ``path`` is untouched. ``.gz`` and friends compress.
     """
 
     def __init__(self, path: str):
         self.path = str(path)
-        fs, self._local = fsspec.core.url_to_fs(self.path)
-        self._is_local = _is_local(fs)
-        self._target = f"{self._local}.tmp{os.getpid()}" if self._is_local else self.path
-        if self._is_local:
-            os.makedirs(os.path.dirname(os.path.abspath(self._local)), exist_ok=True)
-        compression = fsspec.utils.infer_compression(self.path)
-        self._handle = fsspec.open(self._target, "w", encoding="utf-8", compression=compression).open()
+        self._file = AtomicFile(self.path, "w", fsspec.utils.infer_compression(self.path))
+        self._handle = self._file.open()
         self.count = 0
 
     def write(self, row: Any) -> None:
@@ -398,13 +400,11 @@ class JsonlWriter:
     def close(self, keep: bool = True) -> None:
         if self._handle is None:
             return
-        self._handle.close()
         self._handle = None
-        if self._is_local:
-            if keep:
-                os.replace(self._target, self._local)
-            else:
-                os.remove(self._target)
+        if keep:
+            self._file.commit()
+        else:
+            self._file.abort()
 
     def __enter__(self) -> JsonlWriter:
         return self
@@ -428,10 +428,10 @@ def write_jsonl(path: str, rows: Iterable[Any]) -> int:
 def append_jsonl(path: str, rows: Iterable[Any]) -> int:
     """Append ``rows`` as JSON lines to ``path`` (created with its parent directory when missing)."""
     path = str(path)
-    if "://" not in path:
+    if not is_remote(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     count = 0
-    with fsspec.open(path, "a", encoding="utf-8") as handle:
+    with storage_errors(path), fsspec.open(path, "a", encoding="utf-8") as handle:
         for row in rows:
             handle.write(_json_line(row))
             count += 1
@@ -441,23 +441,48 @@ def append_jsonl(path: str, rows: Iterable[Any]) -> int:
 # ------------------------------------------------------------------------------------------ reading
 
 
-class _Quarantine:
-    """Appends bad records to a JSONL file, opened on first use so clean reads leave no empty file."""
+@dataclass
+class _ShardRead:
+    """What reading one file of a source gave: its records, its report and the bad records to quarantine."""
 
-    def __init__(self, source: str, path: str | None):
-        self.source, self.path, self._handle = source, path, None
+    records: list[Record]
+    report: ReadReport
+    bad: list[dict[str, Any]]
 
-    def write(self, line: int | None, error: DataError, raw: Any) -> None:
-        if self.path is None:
-            return
-        if self._handle is None:
-            self._handle = fsspec.open(self.path, "a", encoding="utf-8").open()
-        entry = {"file": self.source, "line": line, "field": error.field, "reason": error.reason, "raw": raw}
-        self._handle.write(_json_line(entry))
 
-    def close(self) -> None:
-        if self._handle is not None:
-            self._handle.close()
+def _read_shard(path: str, kind: str | None, fmt: str, on_error: OnError, keep_bad: bool,
+                progress: bool) -> _ShardRead:
+    report, records, bad = ReadReport(path=path, kind=kind), [], []
+    rows = progress_bar(iter_raw_records(path), desc=f"reading {PurePosixPath(path).name}", unit="rec",
+                        disable=not progress)
+    for line, item in rows:
+        if isinstance(item, BadLine) and item.category == BLANK_LINE:
+            report.blank_lines += 1  # holds no record: not counted as read
+            continue
+        report.read += 1
+        try:
+            if isinstance(item, BadLine):
+                raise FormatError(None, item.reason, item.category)
+            record, used = convert(item, fmt, kind)
+        except FormatError as exc:
+            error = DataError(path, line, exc.field, exc.reason)
+            if on_error == "raise":
+                raise error from None
+            detected = _detected_format(item, fmt)
+            if detected:
+                report.detected[detected] += 1
+            report.add_bad(exc.category, line, f"`{exc.field}`: {exc.reason}" if exc.field else exc.reason)
+            if keep_bad:
+                bad.append({"file": path, "line": line, "field": error.field, "reason": error.reason,
+                            "raw": item.raw if isinstance(item, BadLine) else item})
+            continue
+        report.accepted += 1
+        report.formats[used] += 1
+        report.detected[used] += 1
+        report.kinds[record.kind] += 1
+        records.append(record)
+    rows.close()  # only a finished read reports "done"
+    return _ShardRead(records, report, bad)
 
 
 def read_records(
@@ -467,14 +492,20 @@ def read_records(
     on_error: OnError = "raise",
     quarantine_path: str | None = None,
     progress: bool = True,
+    split_across_ranks: bool = False,
 ) -> tuple[list[Record], ReadReport]:
     """Read every record of ``path``; return the good ones and a ``ReadReport``.
 
-    ``kind`` (``"sft"``, ``"preference"``, ``"rl"``) makes records of another kind errors. ``fmt``
-    forces a format instead of detecting it per record. With ``on_error="quarantine"`` bad records are
-    appended to ``quarantine_path`` as ``{"file", "line", "field", "reason", "raw"}`` and the read goes
-    on; with ``quarantine_path=None`` they are only counted in the report. The report's summary is
-    logged at the end (``posttrain.data`` logger; a warning when anything was quarantined).
+    ``path`` is a record file, a saved HF dataset, or a shard set (a directory or glob of record files,
+    local or ``s3://…``: ``posttrain.data.shards``), read in sorted name order as one dataset; errors and
+    quarantine entries name the shard file and its line. ``kind`` (``"sft"``, ``"preference"``, ``"rl"``)
+    makes records of another kind errors. ``fmt`` forces a format instead of detecting it per record. With
+    ``on_error="quarantine"`` bad records are appended to ``quarantine_path`` as ``{"file", "line", "field",
+    "reason", "raw"}`` and the read goes on; with ``quarantine_path=None`` they are only counted in the
+    report. ``split_across_ranks`` (every rank calls it, under torchrun) reads rank r's share of the shards
+    on rank r and exchanges the records, so every rank returns the same list; rank 0 alone writes the
+    quarantine file. The report's summary is logged at the end (``posttrain.data`` logger; a warning when
+    anything was quarantined).
     """
     path = str(path)
     if kind is not None and kind not in RECORD_KINDS:
@@ -484,42 +515,26 @@ def read_records(
     if on_error not in ("raise", "quarantine"):
         raise ValueError(f"on_error must be 'raise' or 'quarantine', got {on_error!r}")
     report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None, kind=kind)
-    quarantine = _Quarantine(path, report.quarantine_path)
+    keep_bad = report.quarantine_path is not None
+    with storage_errors(path):
+        parts = read_shards(path, lambda shard: _read_shard(shard, kind, fmt, on_error, keep_bad, progress),
+                            split_across_ranks)
     records: list[Record] = []
-    rows = progress_bar(iter_raw_records(path), desc=f"reading {PurePosixPath(path).name}", unit="rec",
-                        disable=not progress)
-    try:
-        for line, item in rows:
-            if isinstance(item, BadLine) and item.category == BLANK_LINE:
-                report.blank_lines += 1  # holds no record: not counted as read
-                continue
-            report.read += 1
-            try:
-                if isinstance(item, BadLine):
-                    raise FormatError(None, item.reason, item.category)
-                record, used = convert(item, fmt, kind)
-            except FormatError as exc:
-                error = DataError(path, line, exc.field, exc.reason)
-                if on_error == "raise":
-                    raise error from None
-                detected = _detected_format(item, fmt)
-                if detected:
-                    report.detected[detected] += 1
-                report.add_bad(exc.category, line, f"`{exc.field}`: {exc.reason}" if exc.field else exc.reason)
-                quarantine.write(line, error, item.raw if isinstance(item, BadLine) else item)
-                continue
-            report.accepted += 1
-            report.formats[used] += 1
-            report.detected[used] += 1
-            report.kinds[record.kind] += 1
-            records.append(record)
-    finally:
-        quarantine.close()
-    rows.close()  # only a finished read reports "done"
+    bad: list[dict[str, Any]] = []
+    for shard, part in parts:
+        report.merge(part.report, PurePosixPath(shard).name if len(parts) > 1 else None)
+        records += part.records
+        bad += part.bad
+    if bad and (not split_across_ranks or _is_first_rank()):
+        append_jsonl(report.quarantine_path, bad)
     assert report.read == report.accepted + report.quarantined, report.summary()
     # Quarantined records are a warning, so they show even where nobody configured logging.
     logger.log(logging.WARNING if report.quarantined else logging.INFO, report.summary())
     return records, report
+
+
+def _is_first_rank() -> bool:
+    return rank_and_world()[0] == 0
 
 
 def _detected_format(item: dict | BadLine, fmt: str) -> str | None:
@@ -547,7 +562,8 @@ def _parquet_row(record: Record) -> dict[str, Any]:
 
 
 def write_records(path: str, records: Iterable[Record]) -> None:
-    """Write records to ``.jsonl`` (``.jsonl.gz``) or ``.parquet`` by suffix; ``read_records`` reads them back."""
+    """Write records to ``.jsonl`` (``.jsonl.gz``) or ``.parquet`` by suffix, in full or not at all (local
+    path or object-store URL); ``read_records`` reads them back."""
     path = str(path)
     suffix = _suffix(path)
     if suffix in LINE_SUFFIXES:
@@ -560,7 +576,7 @@ def write_records(path: str, records: Iterable[Record]) -> None:
         # from_pylist takes its columns from the first row; mixed kinds need the union of all keys.
         columns = list(dict.fromkeys(key for row in rows for key in row))
         table = pa.Table.from_pylist([{key: row.get(key) for key in columns} for row in rows])
-        with fsspec.open(path, "wb") as handle:
+        with AtomicFile(path, "wb") as handle:
             pq.write_table(table, handle)
     else:
         raise ValueError(f"{path}: cannot write {suffix or '(no suffix)'!r}; use .jsonl or .parquet")

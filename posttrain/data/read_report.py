@@ -40,19 +40,35 @@ class ReadReport:
     formats: Counter[str] = field(default_factory=Counter)
     detected: Counter[str] = field(default_factory=Counter)
     kinds: Counter[str] = field(default_factory=Counter)
-    example_lines: dict[str, list[int]] = field(default_factory=lambda: defaultdict(list))
+    example_lines: dict[str, list[int | str]] = field(default_factory=lambda: defaultdict(list))
     first_reasons: dict[str, str] = field(default_factory=dict)
     blank_lines: int = 0
     quarantine_path: str | None = None
     kind: str | None = None  # the record kind the reader asked for
 
-    def add_bad(self, category: str, line: int | None, reason: str | None = None) -> None:
+    def add_bad(self, category: str, line: int | str | None, reason: str | None = None) -> None:
         self.quarantined += 1
         self.reasons[category] += 1
         if line is not None and len(self.example_lines[category]) < _EXAMPLE_LINES_PER_REASON:
             self.example_lines[category].append(line)
         if reason and category not in self.first_reasons:
             self.first_reasons[category] = reason
+
+    def merge(self, other: ReadReport, label: str | None = None) -> None:
+        """Add the counts of ``other`` (the read of one shard); ``label`` (the shard's file name) prefixes
+        its example lines, so ``train-00003.parquet:17`` says where to look in a shard set."""
+        self.read += other.read
+        self.accepted += other.accepted
+        self.quarantined += other.quarantined
+        self.blank_lines += other.blank_lines
+        for mine, theirs in ((self.reasons, other.reasons), (self.formats, other.formats),
+                             (self.detected, other.detected), (self.kinds, other.kinds)):
+            mine.update(theirs)
+        for category, lines in other.example_lines.items():
+            kept = self.example_lines[category]
+            kept += [f"{label}:{line}" if label else line for line in lines][: _EXAMPLE_LINES_PER_REASON - len(kept)]
+        for category, reason in other.first_reasons.items():
+            self.first_reasons.setdefault(category, f"{label}: {reason}" if label else reason)
 
     def summary(self) -> str:
         text = f"{self.path}: read {self.read} = accepted {self.accepted} + quarantined {self.quarantined}"

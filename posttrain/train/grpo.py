@@ -38,7 +38,7 @@ from posttrain.train.stream import Difficulty
 def read_prompts(config: GRPORecipe, path: str, suffix: str) -> list[RLPrompt]:
     quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{suffix}.jsonl"
     records, report = read_records(path, kind="rl", fmt=config.data.format, on_error=config.data.on_error,
-                                   quarantine_path=quarantine)
+                                   quarantine_path=quarantine, split_across_ranks=True)
     say(report.summary())
     report.check_usable("prompt set" if suffix == "" else "eval prompt set")
     return records  # type: ignore[return-value]

@@ -4,7 +4,9 @@ A run's **identity** is its resolved config without the keys that only say where
 reports (``output_dir`` — copying or moving a run directory does not change the run —, ``store``, ``train.resume``,
 ``train.log_every``, ``train.keep_last``, ``metrics``, ``alerts``, and the drills' ``debug.crash_at_step``
 and ``debug.log_unit_ids``), plus the **model**: a SHA-256 over the files of
-``model.path`` (weights, config, tokenizer) and its architecture (from its ``config.json``). Every
+``model.path`` (weights, config, tokenizer) and its architecture (from its ``config.json``), plus the **data**: a fingerprint of ``data.train``
+and ``data.eval`` (``posttrain.data.storage.source_fingerprint``: every file of a file, shard set or saved
+dataset, local or in an object store — content hashes on local disk, ETag and size in S3). Every
 checkpoint manifest and the ``finished.json`` marker record it.
 
 When ``output_dir`` already holds a run, ``plan_resume`` (called once, on rank 0, before any data is
@@ -13,6 +15,10 @@ read) decides:
 - the model's files or architecture differ → **refuse** (``ResumeError``, exit 2): resuming would load
   weights into the wrong model (a 4-layer checkpoint into a 2-layer model loads 2 layers and drops the
   rest). The fix is a new ``output_dir``, or ``train.resume=never`` to start over in this one;
+- the data's content changed (the same ``data.train`` path, other bytes; a shard added, removed or
+  changed) → **refuse**: the checkpoint's data position indexes the old records, so the run would go on
+  with other examples than it claims. A *moved* dataset with the same content (another path, or another
+  bucket) resumes, with the usual warning about the changed key;
 - ``model.lora`` switched on or off, or its ``r``, ``alpha``, ``target_modules`` or ``quantize`` changed →
   **refuse** as well: a LoRA checkpoint holds only the adapters, whose shapes and meaning these settings
   fix (``dropout`` may change, with the warning below);
@@ -73,17 +79,41 @@ def config_identity(config_dump: dict[str, Any]) -> dict[str, Any]:
     return kept
 
 
+DATA_KEYS = ("train", "eval")
+
+
+def data_identity(data_config) -> dict[str, Any]:
+    """``{"train": fingerprint, "eval": …}`` of the data files a run reads (the keys that are set).
+
+    A source that cannot be fingerprinted (missing, unreadable) is recorded as ``{"error": …}``: the read
+    that follows raises the real error on every rank, and a missing fingerprint is never compared.
+    """
+    from posttrain.data.storage import source_fingerprint
+
+    identity: dict[str, Any] = {}
+    for key in DATA_KEYS:
+        url = getattr(data_config, key, None)
+        if isinstance(url, str) and url:
+            try:
+                identity[key] = source_fingerprint(url)
+            except Exception as exc:  # noqa: BLE001 - the data read raises it, on every rank (see above)
+                identity[key] = {"error": f"{type(exc).__name__}: {exc}"}
+    return identity
+
+
 @dataclass
 class RunIdentity:
     config: dict[str, Any]
     model: dict[str, Any]
+    data: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, config) -> RunIdentity:
-        return cls(config_identity(config.model_dump(mode="json")), model_identity(config.model.path))
+        return cls(config_identity(config.model_dump(mode="json")), model_identity(config.model.path),
+                   data_identity(config.data) if getattr(config, "data", None) is not None else None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"config": self.config, "model": self.model}
+        return {"config": self.config, "model": self.model, **({"data": self.data} if self.data is not None else {})}
 
     @property
     def hash(self) -> str:
@@ -129,6 +159,34 @@ def _check_model(saved: dict[str, Any], current: RunIdentity, where: str, output
             raise ResumeError(f"{where} holds adapters of other LoRA settings ({diff}); {fix}")
 
 
+def _check_data(saved: dict[str, Any], current: RunIdentity, where: str, output_dir: Path) -> None:
+    """Refuse when a data source's content differs from what ``where`` was trained on (see the docstring)."""
+    old_data, new_data = saved.get("data") or {}, current.data or {}
+    for key in DATA_KEYS:
+        old, new = old_data.get(key), new_data.get(key)
+        if not old or not new or "digest" not in old or "digest" not in new or old["digest"] == new["digest"]:
+            continue  # not recorded (an older checkpoint), not readable now (the read says why), or unchanged
+        url = current.config.get("data", {}).get(key)
+        raise ResumeError(f"{where} was trained on other data than data.{key}={url} holds now "
+                          f"({_data_changes(old, new)}); the checkpoint's data position would point into "
+                          f"other records. Restore the data, or use a new output_dir, or train.resume=never to "
+                          f"start over in {output_dir} (the old run is moved into previous-<time>/)")
+
+
+def _data_changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    before, after = old.get("per_file"), new.get("per_file")
+    if before is None or after is None:
+        return f"{old.get('files')} file(s) then, {new.get('files')} now, content fingerprint changed"
+    parts = []
+    for label, names in (("changed", [n for n in before if n in after and before[n] != after[n]]),
+                         ("added", [n for n in after if n not in before]),
+                         ("removed", [n for n in before if n not in after])):
+        if names:
+            shown = ", ".join(sorted(names)[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+            parts.append(f"{label}: {shown}")
+    return "; ".join(parts) or "content fingerprint changed"
+
+
 def _warn_changed(saved: dict[str, Any], current: RunIdentity, where: str) -> None:
     changed = changed_keys(saved.get("config") or {}, current.config)
     if changed:
@@ -163,6 +221,7 @@ def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
         finished = None  # the export was removed: resume from the last checkpoint and export again
     if finished is not None:
         _check_model(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
+        _check_data(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
         _warn_changed(finished.get("identity") or {}, identity, f"the finished run in {output_dir}")
         return ResumePlan(None, finished)
     checkpoint = latest_valid_checkpoint(output_dir / "checkpoints")
@@ -173,6 +232,7 @@ def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
     where = f"checkpoint {checkpoint.path}"
     saved = checkpoint.manifest.get("identity") or {}
     _check_model(saved, identity, where, output_dir)
+    _check_data(saved, identity, where, output_dir)
     _warn_changed(saved, identity, where)
     ranks = checkpoint.manifest.get("world_size", 1)
     return ResumePlan(checkpoint, None, f"resuming from step {checkpoint.step} of {where} (written by {ranks} rank(s))")

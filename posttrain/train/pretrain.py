@@ -11,9 +11,11 @@ from pathlib import Path
 from posttrain import dist
 from posttrain.config.recipes import PretrainRecipe
 from posttrain.data.errors import DataError
-from posttrain.data.io import iter_jsonl
+from posttrain.data.io import iter_jsonl, iter_lines
 from posttrain.data.packing import pack_examples
 from posttrain.data.records import stable_id
+from posttrain.data.shards import read_shards
+from posttrain.data.storage import storage_errors
 from posttrain.data.tokenize import TokenizedExample
 from posttrain.models.logprobs import TokenLogprobModel
 from posttrain.train.loop import train
@@ -29,17 +31,29 @@ from posttrain.train.runner import (
 from posttrain.train.sft import build_units, mean_loss_evaluator, sft_source, sft_step_loss
 
 
-def read_texts(path: str) -> list[str]:
-    """Documents from a .txt file (one per non-empty line) or JSONL/JSON lines with a ``text`` field."""
+def _read_text_file(path: str) -> list[str]:
     texts = []
-    if path.endswith((".jsonl", ".json", ".jsonl.gz")):
+    if path.removesuffix(".gz").endswith((".jsonl", ".json")):
         for line_no, record in iter_jsonl(path):
             if not isinstance(record.get("text"), str):
                 raise DataError(path, line_no, "text", "expected a string field `text`")
             texts.append(record["text"])
     else:
-        with open(path, encoding="utf-8", errors="strict") as handle:
-            texts = [line.rstrip("\n") for line in handle if line.strip()]
+        for line_no, data in iter_lines(path):
+            try:
+                line = data.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(path, line_no, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
+            if line.strip():
+                texts.append(line)
+    return texts
+
+
+def read_texts(path: str) -> list[str]:
+    """Documents from .txt files (one per non-empty line) or JSONL/JSON lines with a ``text`` field: one file
+    or a shard set (``posttrain.data.shards``), local or ``s3://…``, each rank reading its share of the shards."""
+    with storage_errors(path):
+        texts = [text for _, part in read_shards(path, _read_text_file, split_across_ranks=True) for text in part]
     if not texts:
         raise DataError(path, None, None, "no documents")
     return texts

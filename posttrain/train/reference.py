@@ -38,12 +38,12 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import fsspec
 import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
 from posttrain import dist
+from posttrain.data.storage import source_fingerprint
 from posttrain.models.load import load_model
 from posttrain.models.lora import adapter_disabled
 from posttrain.progress import progress
@@ -84,18 +84,6 @@ def _hash_stream(digest, handle) -> None:
         digest.update(block)
 
 
-def file_digest(path: str) -> str:
-    """SHA-256 of a local or fsspec file, or of every file under a directory (a saved dataset)."""
-    digest = hashlib.sha256()
-    fs, local = fsspec.core.url_to_fs(path)
-    files = sorted(fs.find(local)) if fs.isdir(local) else [local]
-    for name in files:
-        digest.update(os.path.relpath(name, local).encode() if name != local else b"")
-        with fs.open(name, "rb") as handle:
-            _hash_stream(digest, handle)
-    return digest.hexdigest()
-
-
 def model_digest(model_path: str) -> str:
     """SHA-256 over the weight and config files of a local model directory (a hub id hashes as its name)."""
     root = Path(model_path)
@@ -123,7 +111,7 @@ def pairs_digest(pairs: list[TokenizedPair]) -> str:
 def cache_key(spec: ReferenceSpec, data_path: str, pairs: list[TokenizedPair]) -> str:
     parts = {
         "model": model_digest(spec.path),
-        "data": file_digest(data_path),
+        "data": source_fingerprint(data_path)["digest"],  # a file, a shard set or a saved dataset, local or s3://
         "pairs": pairs_digest(pairs),
         "settings": spec.key_fields(),
     }

@@ -60,7 +60,8 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
     """
     quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
-        path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine
+        path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine,
+        split_across_ranks=True,
     )
     say(report.summary())
     report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined
