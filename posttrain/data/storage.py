@@ -65,10 +65,11 @@ def is_remote(url: str) -> bool:
     return protocol_of(url) not in ("file", "local")
 
 
-def filesystem(url: str) -> tuple[Any, str]:
-    """``(fs, path)`` of ``url``, with ``StorageUnavailable`` naming the package a protocol needs."""
+def filesystem(url: str, **options: Any) -> tuple[Any, str]:
+    """``(fs, path)`` of ``url`` (``options`` go to the filesystem), with ``StorageUnavailable`` naming the
+    package a protocol needs."""
     try:
-        return fsspec.core.url_to_fs(str(url))
+        return fsspec.core.url_to_fs(str(url), **options)
     except ImportError as exc:
         raise _unavailable(str(url), exc) from None
 

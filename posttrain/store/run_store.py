@@ -24,6 +24,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain.data.storage import filesystem, is_remote, protocol_of
+
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 # What comes down at start (small) — the logs continue where the remote ones end, cut to the resume step.
@@ -39,11 +41,6 @@ class StoreUnavailable(OSError):
 
 class IncompleteUpload(OSError):
     """An uploaded object is missing or has another size than the local file (a dropped or cut write)."""
-
-
-def is_remote(url: str) -> bool:
-    """True for a URL with a scheme other than ``file://`` (``s3://``, ``gs://``, ``memory://``, …)."""
-    return "://" in str(url) and not str(url).startswith("file://")
 
 
 def default_local_dir(url: str) -> Path:
@@ -62,25 +59,17 @@ def sha256_file(path: Path) -> str:
 
 
 def _open_fs(url: str):
-    try:
-        from fsspec.core import url_to_fs
-
-        options: dict[str, Any] = {}
-        if url.startswith(("s3://", "s3a://")):
-            # RunStore.call retries with backoff up to store.max_outage_s; s3fs's and botocore's own retry
-            # loops (5 × 5 attempts by default) would make one call last minutes and the limit meaningless.
-            options = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"},
-                                         "connect_timeout": 10, "read_timeout": 120}}
-        # Listings are never cached: other processes (other ranks, a crashed attempt) write to the same prefix.
-        fs, root = url_to_fs(url, skip_instance_cache=True, use_listings_cache=False, **options)
-        if hasattr(fs, "retries"):
-            fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor option)
-        return fs, root
-    except ImportError as exc:
-        scheme = url.split("://", 1)[0]
-        extra = {"s3": "s3", "gs": "gcs", "gcs": "gcs"}.get(scheme)
-        hint = f"pip install 'posttrain[{extra}]'" if extra == "s3" else "install gcsfs" if extra else "install its fsspec driver"
-        raise ImportError(f"output_dir={url}: no fsspec driver for {scheme}:// ({hint})") from exc
+    options: dict[str, Any] = {}
+    if protocol_of(url) in ("s3", "s3a"):
+        # RunStore.call retries with backoff up to store.max_outage_s; s3fs's and botocore's own retry loops
+        # (5 × 5 attempts by default) would make one call last minutes and the limit meaningless.
+        options = {"config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"},
+                                     "connect_timeout": 10, "read_timeout": 120}}
+    # Listings are never cached: other processes (other ranks, a crashed attempt) write to the same prefix.
+    fs, root = filesystem(url, skip_instance_cache=True, use_listings_cache=False, **options)
+    if hasattr(fs, "retries"):
+        fs.retries = 1  # s3fs's own retry loop (a class attribute, not a constructor option)
+    return fs, root
 
 
 class RunStore:

@@ -37,13 +37,12 @@ from posttrain.models.lora import (
     quantization_config,
 )
 from posttrain.models.tiny import count_parameters
-from posttrain.store import RunStore, StoreUnavailable
+from posttrain.store import RunStore
 from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.identity import (
     FINISHED,
     RUN_FILES,
-    ResumeError,
     ResumePlan,
     RunIdentity,
     plan_resume,
@@ -124,7 +123,7 @@ def start_run(config: TrainingRecipe) -> Run:
         identity, attempt = RunIdentity.of(config), uuid.uuid4().hex[:12]
         try:
             plan = _plan_on_main(config, store, identity)
-        except (ResumeError, StoreUnavailable, ImportError) as exc:
+        except Exception as exc:  # noqa: BLE001 - raised on every rank below, not only here (no rank may hang)
             plan = exc
     identity, plan, attempt = dist.broadcast_object((identity, plan, attempt))
     if isinstance(plan, Exception):
