@@ -58,6 +58,11 @@ def launch(arguments: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="posttrain-launch-") as scratch:
         flag = Path(scratch) / "preempted"
         os.environ[PREEMPTED_FILE_ENV] = str(flag)
+        # torchrun's agent shares one TCPStore with the workers across restarts (torch >= 2.5), and a restarted
+        # group can read its predecessor's gloo/NCCL addresses from it: connection refused, or a hang in
+        # init_process_group (pytorch/pytorch#135712; 2 of 4 restarts here, none of 5 with this; docs/stalls.md).
+        # Unshared, each attempt's rank 0 hosts a fresh store.
+        os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
         torchrun_args = get_args_parser().parse_args([*options, "-m", "posttrain", *command])
         try:
             run(torchrun_args)

@@ -165,6 +165,12 @@ class HealthConfig(StrictModel):
         default_factory=list,
         description="Optimizer steps whose batches are never trained on (e.g. batches an earlier run found bad).",
     )
+    stall_timeout_s: float | None = Field(
+        default=1800.0, gt=0,
+        description="A rank with no progress (no step, evaluation or checkpoint save begun) for this long writes "
+        "its stacks to a 'stalled' alert and exits 75 so the launcher restarts the group from the newest "
+        "checkpoint (docs/stalls.md). Above the longest single step, evaluation or save; null: off.",
+    )
 
 
     @model_validator(mode="before")
@@ -212,7 +218,18 @@ class DebugConfig(StrictModel):
     spike_steps: list[int] = Field(default_factory=list, description="Multiply the loss at these steps.")
     spike_factor: float = Field(default=1000.0, gt=1.0)
     crash_at_step: int | None = Field(
-        default=None, ge=0, description="SIGKILL every rank after this step's update (a node-loss drill)."
+        default=None, ge=0, description="SIGKILL the rank(s) after this step's update (a node-loss drill)."
+    )
+    crash_rank: int | None = Field(
+        default=None, ge=0, description="Only this rank is killed by crash_at_step (default: every rank)."
+    )
+    hang_at_step: int | None = Field(
+        default=None, ge=0,
+        description="The rank(s) sleep for ever at the start of this step, before its collectives (a stall drill "
+        "for health.stall_timeout_s). Drills fire only in the first attempt of a torchrun-restarted run.",
+    )
+    hang_rank: int | None = Field(
+        default=None, ge=0, description="Only this rank hangs at hang_at_step (default: every rank)."
     )
     log_unit_ids: bool = Field(
         default=False, description="Write the ids of the units each rank trains on per step to units.jsonl."

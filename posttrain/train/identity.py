@@ -2,11 +2,12 @@
 
 A run's **identity** is its resolved config without the keys that only say where it lives or how it
 reports (``output_dir`` — copying or moving a run directory does not change the run —, ``store``, ``train.resume``,
-``train.log_every``, ``train.keep_last``, ``metrics``, ``alerts``, and the drills' ``debug.crash_at_step``
-and ``debug.log_unit_ids``), plus the **model**: a SHA-256 over the files of
-``model.path`` (weights, config, tokenizer) and its architecture (from its ``config.json``), plus the **data**: a fingerprint of ``data.train``
-and ``data.eval`` (``posttrain.data.storage.source_fingerprint``: every file of a file, shard set or saved
-dataset, local or in an object store — content hashes on local disk, ETag and size in S3). Every
+``train.log_every``, ``train.keep_last``, ``metrics``, ``alerts``, ``health.stall_timeout_s``, and the drills'
+``debug.crash_at_step``, ``crash_rank``, ``hang_at_step``, ``hang_rank`` and ``debug.log_unit_ids``), plus the
+**model**: a SHA-256 over the files of ``model.path`` (weights, config, tokenizer) and its architecture (from
+its ``config.json``), plus the **data**: a fingerprint of ``data.train`` and ``data.eval``
+(``posttrain.data.storage.source_fingerprint``: every file of a file, shard set or saved dataset, local or in
+an object store — content hashes on local disk, ETag and size in S3). Every
 checkpoint manifest and the ``finished.json`` marker record it.
 
 When ``output_dir`` already holds a run, ``plan_resume`` (called once, on rank 0, before any data is
@@ -46,7 +47,8 @@ from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_val
 FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
 NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store"},
-                {"train": {"resume", "log_every", "keep_last"}, "debug": {"crash_at_step", "log_unit_ids"}})
+                {"train": {"resume", "log_every", "keep_last"}, "health": {"stall_timeout_s"},
+                 "debug": {"crash_at_step", "crash_rank", "hang_at_step", "hang_rank", "log_unit_ids"}})
 # model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).
 LORA_KEYS = ("r", "alpha", "target_modules", "quantize")
 ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",

@@ -42,6 +42,7 @@ from posttrain.train.metrics import MetricsSink, RunSummary, cut_logs, mfu, peak
 from posttrain.train.precision import autocast
 from posttrain.train.schedule import lr_multiplier
 from posttrain.train.source import LossFn, StepBatch, StepSource
+from posttrain.train.watchdog import Watchdog, hang_forever
 
 Evaluate = Callable[[torch.nn.Module], dict[str, float]]
 
@@ -74,6 +75,8 @@ class LoopSettings:
     spike_steps: frozenset[int] = frozenset()
     spike_factor: float = 1000.0
     crash_at_step: int | None = None
+    hang_at_step: int | None = None  # the stall drill (debug.hang_at_step), already targeted by runner.loop_settings
+    stall_timeout_s: float | None = None  # health.stall_timeout_s: the watchdog (posttrain.train.watchdog); None: off
     log_unit_ids: bool = False
     tensorboard: bool = True
     resume_from: CheckpointInfo | None = None  # chosen by posttrain.train.identity.plan_resume
@@ -265,7 +268,17 @@ def _warn_schedule(total_steps: int, settings: LoopSettings) -> None:
 
 
 def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings: LoopSettings) -> int:
-    """Run (or resume) training; return 0 when done or EXIT_RESUMABLE after a preemption save."""
+    """Run (or resume) training; return 0 when done or EXIT_RESUMABLE after a preemption save.
+
+    The stall watchdog runs for the whole call; the loop beats it before every phase (step, evaluation,
+    checkpoint save), and it ends the process with exit 75 when one takes longer than health.stall_timeout_s.
+    """
+    with Watchdog(settings.stall_timeout_s, settings.alerts, settings.output_dir) as watchdog:
+        return _train(model, source, loss_fn, settings, watchdog)
+
+
+def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings: LoopSettings,
+           watchdog: Watchdog) -> int:
     total_steps = source.total_steps()
     if total_steps == 0:
         raise ValueError(f"{source.name}: the data cannot fill one optimizer step; lower train.global_batch_size "
@@ -292,11 +305,14 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
     with Preemption() as preemption:
         while run.next_step < total_steps:
             step = run.next_step
+            watchdog.beat("step", step)
             if step in run.skip:
                 source.end_step(step, False, {})
                 run.next_step += 1
                 sink.skip()
             else:
+                if settings.hang_at_step == step:
+                    hang_forever()  # stall drill (debug.hang_at_step): before the step's collectives
                 started = time.perf_counter()
                 lr = settings.lr * lr_multiplier(step, total_steps, settings.lr_schedule, settings.warmup_steps,
                                                  settings.min_lr_ratio)
@@ -332,9 +348,11 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                     bad_streak.clear()
                     continue
                 if settings.eval_every and run.next_step % settings.eval_every == 0 and run.next_step < total_steps:
+                    watchdog.beat("evaluation", run.next_step)
                     _evaluate(model, settings, sink, run.next_step)
             due = settings.save_every and run.next_step % settings.save_every == 0
             if due and run.next_step < total_steps:
+                watchdog.beat("checkpoint save", run.next_step)
                 run.save()
             if settings.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)  # node-loss drill (debug.crash_at_step)
@@ -343,6 +361,7 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 return _stop_for_store(run, sink)
             if preempted:
                 if run.last_saved != run.next_step:
+                    watchdog.beat("checkpoint save", run.next_step)
                     run.save()
                 if run.uploader is not None:
                     run.uploader.wait()  # the grace period is for this: the checkpoint must reach the store
@@ -355,11 +374,14 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 sink.close()
                 return EXIT_RESUMABLE
     if run.last_saved != run.next_step:
+        watchdog.beat("checkpoint save", run.next_step)
         run.save()
     if run.uploader is not None:
+        watchdog.beat("checkpoint upload", run.next_step)
         run.uploader.wait()
         if run.uploader.down:
             return _stop_for_store(run, sink)
+    watchdog.beat("evaluation", run.next_step)
     _evaluate(model, settings, sink, run.next_step)
     summary.steps, summary.optimizer_steps = run.next_step, run.optimizer_steps
     summary.final_loss = sink.last_loss

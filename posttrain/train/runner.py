@@ -51,6 +51,7 @@ from posttrain.train.identity import (
 from posttrain.train.loop import Evaluate, LoopSettings
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.source import BatchGeometry
+from posttrain.train.watchdog import drill_step
 
 
 def say(message: str) -> None:
@@ -252,7 +253,9 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         nan_steps=frozenset(debug.nan_steps),
         spike_steps=frozenset(debug.spike_steps),
         spike_factor=debug.spike_factor,
-        crash_at_step=debug.crash_at_step,
+        crash_at_step=drill_step(debug.crash_at_step, debug.crash_rank),
+        hang_at_step=drill_step(debug.hang_at_step, debug.hang_rank),
+        stall_timeout_s=health.stall_timeout_s,
         log_unit_ids=debug.log_unit_ids,
         tensorboard=config.metrics.tensorboard,
     )
