@@ -198,10 +198,11 @@ class StoreConfig(StrictModel):
         description="Local mirror of a remote output_dir: checkpoints are written here first, then uploaded. "
         "Default: $XDG_CACHE_HOME/posttrain/runs/<name>-<hash of the URL>.",
     )
-    upload: Literal["background", "blocking"] = Field(
+    upload: Literal["background", "blocking", "direct"] = Field(
         default="background",
-        description="background: a checkpoint uploads while training goes on (one upload in flight; the next "
-        "save waits for it); blocking: the step waits for the upload.",
+        description="background: a checkpoint is saved to local_dir, then uploads while training goes on (one "
+        "upload in flight; the next save waits for it); blocking: the step waits for the upload; direct: DCP "
+        "writes into the store itself (no local copy; for small local disks), verified before the commit.",
     )
     backoff_s: float = Field(default=1.0, gt=0, description="First retry delay after a failed store call; doubles up to 30 s.")
     max_outage_s: float = Field(

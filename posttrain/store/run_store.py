@@ -265,12 +265,16 @@ class RunStore:
 
     def sync_down(self) -> int | None:
         """Start of a run on a remote store (the local mirror's main process): small files come down, the
-        newest valid checkpoint is fetched (an invalid one is reported and skipped), stale local checkpoints
-        and exports go. Returns the fetched step, or None."""
+        newest valid checkpoint is fetched, stale local checkpoints and exports go. Returns the fetched step."""
         self.local.mkdir(parents=True, exist_ok=True)
         self.pull_small_files()
         for name in ("final", "adapter"):
             shutil.rmtree(self.local / name, ignore_errors=True)
+        return self.fetch_latest()
+
+    def fetch_latest(self) -> int | None:
+        """Fetch the newest valid checkpoint into the mirror (an invalid one is reported and skipped) and drop
+        every other local checkpoint. Returns its step, or None when the store holds none."""
         fetched = None
         for step in self.checkpoint_steps():
             manifest, problem = self.manifest(step)

@@ -240,6 +240,18 @@ def _own_files(staging: Path) -> dict[str, tuple[str, int]]:
     return mine
 
 
+def build_manifest(step: int, identity: dict[str, Any], files: dict[str, tuple[str, int]],
+                   trainable: set[str] | None) -> dict[str, Any]:
+    """The commit record of a checkpoint: ``files`` maps every file of every rank to ``(sha256, size)``."""
+    manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
+                "identity_hash": identity_hash(identity),
+                "files": {name: sha for name, (sha, _) in sorted(files.items())},
+                "sizes": {name: size for name, (_, size) in sorted(files.items())}}
+    if trainable is not None:
+        manifest["weights"] = "trainable"
+    return manifest
+
+
 def save_checkpoint(
     root: Path,
     step: int,
@@ -299,13 +311,8 @@ def save_checkpoint(
         raise failure
     everyone = dist.gather_objects(mine)
     if dist.is_main():
-        merged = {name: entry for files in everyone for name, entry in files.items()}
-        manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
-                    "identity_hash": identity_hash(identity),
-                    "files": {name: sha for name, (sha, _) in sorted(merged.items())},
-                    "sizes": {name: size for name, (_, size) in sorted(merged.items())}}
-        if trainable is not None:
-            manifest["weights"] = "trainable"
+        manifest = build_manifest(step, identity, {name: entry for files in everyone for name, entry in files.items()},
+                                  trainable)
         try:
             with open(staging / MANIFEST, "w") as handle:
                 json.dump(manifest, handle, indent=1, sort_keys=True)

@@ -30,6 +30,7 @@ from posttrain import dist
 from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
 from posttrain.store import RunStore
+from posttrain.store.direct import DirectSaver
 from posttrain.store.uploader import CheckpointUploader, print_rank_alert
 from posttrain.train.checkpoint import (
     CheckpointInfo,
@@ -169,7 +170,7 @@ class _Run:
         self.next_step, self.optimizer_steps, self.rollbacks = 0, 0, 0
         self.skip: set[int] = set(settings.skip_steps)
         self.last_saved = -1
-        self.uploader = _uploader(settings)
+        self.uploader, self.direct = _remote_checkpoints(settings)
 
     def trainer_state(self) -> dict[str, Any]:
         return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps, "rollbacks": self.rollbacks,
@@ -188,6 +189,10 @@ class _Run:
         """Checkpoint to local disk; with a remote store, then upload it (in the background unless
         ``store.upload=blocking``), after the previous upload has finished."""
         s = self.settings
+        if self.direct is not None:  # store.upload=direct: DCP writes into the store itself
+            self.direct.save(self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity)
+            self.last_saved = self.next_step
+            return
         if self.uploader is not None:
             self.uploader.wait()
         saved = save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(),
@@ -199,19 +204,34 @@ class _Run:
                 self.uploader.wait()
 
     def store_down(self) -> bool:
-        return self.uploader is not None and self.uploader.down
+        return any(path is not None and path.down for path in (self.uploader, self.direct))
+
+    def rollback_checkpoint(self) -> CheckpointInfo | None:
+        """The newest valid checkpoint to roll back to: on local disk, or — when checkpoints live only in the
+        store (``store.upload=direct``) — fetched from it first, by the first process of each node."""
+        if self.direct is not None:
+            step = self.settings.store.fetch_latest() if dist.is_main() else None
+            step = dist.broadcast_object(step)
+            if step is not None and dist.local_rank() == 0 and not dist.is_main():
+                store = self.settings.store
+                store.fetch_checkpoint(step, store.manifest(step)[0])
+            dist.barrier()
+        return latest_valid_checkpoint(self.root)
 
 
-def _uploader(settings: LoopSettings) -> CheckpointUploader | None:
+def _remote_checkpoints(settings: LoopSettings) -> tuple[CheckpointUploader | None, DirectSaver | None]:
+    """How checkpoints reach a remote store: uploaded from local disk, or written there by DCP (direct)."""
     store = settings.store
     if store is None or not store.remote:
-        return None
+        return None, None
     alert = settings.alerts.emit if dist.is_main() else print_rank_alert(dist.rank())
     store.on_retry = lambda what, error: alert(
         "store_retry", what=what, error=str(error)[:300],
         message=f"run store {store.url}: {what} failed ({str(error)[:200]}); retrying with backoff for up to "
         f"store.max_outage_s={store.max_outage_s:g} s while training goes on")
-    return CheckpointUploader(store, dist.rank(), dist.world_size(), settings.keep_last, settings.attempt, alert)
+    if settings.upload == "direct":
+        return None, DirectSaver(store, settings.keep_last, alert)
+    return CheckpointUploader(store, dist.rank(), dist.world_size(), settings.keep_last, settings.attempt, alert), None
 
 
 def _stop_requests(preemption: Preemption, run: _Run) -> tuple[bool, bool]:
@@ -398,7 +418,7 @@ def _roll_back(run: _Run, bad_streak: list[int], step: int, sink: MetricsSink) -
         raise RuntimeError(f"health guard: {run.rollbacks} rollbacks already; stopping at step {step}")
     skip = run.skip | set(bad_streak)
     rollbacks = run.rollbacks + 1
-    info = latest_valid_checkpoint(run.root)
+    info = run.rollback_checkpoint()
     if info is None:
         settings.alerts.emit("rollback_unavailable", step=step, skipped_batches=list(bad_streak),
                              message=f"health guard: {len(bad_streak)} bad steps in a row ({bad_streak}) and no "

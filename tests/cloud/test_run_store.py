@@ -114,3 +114,29 @@ def test_submit_returns_at_once_and_one_upload_is_in_flight(s3_bucket, s3_endpoi
         assert waited > 2.0 and commits == [2]  # the second save waited for the first upload
         uploader.wait()
     assert commits == [2, 4] and store.manifest(4)[0] is not None
+
+
+def test_torch_fsspec_writer_misses_a_dropped_shard_and_the_verified_writer_does_not(
+        s3_bucket, s3_endpoint, tmp_path, monkeypatch):
+    """The failure mode the direct path guards against, shown: DCP's own FsspecWriter reports success for a
+    shard the store dropped; save_direct finds the hole before writing a manifest."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from posttrain.store.direct import save_direct
+
+    with FaultyProxy(s3_endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        proxy.rules = [["PUT", "__0_0.distcp", "blackhole", None]]
+        store = RunStore(f"{s3_bucket}/run", local_dir=tmp_path, max_outage_s=2)
+        state = {"w": torch.arange(1000, dtype=torch.float32)}
+        dcp.save(state, storage_writer=FsspecWriter(store.path("plain")), no_dist=True)  # "succeeds"
+        assert store.size("plain/__0_0.distcp") is None  # …with the shard gone
+        model = torch.nn.Linear(4, 4)
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.ones(1, 4)).sum().backward()
+        optimizer.step()
+        problem = save_direct(store, 2, model, optimizer, {"next_step": 2}, {"config": {}})
+    assert problem.startswith("__0_0.distcp: the store holds nothing of")
+    assert store.manifest(2) == (None, "no manifest (the upload did not finish)")

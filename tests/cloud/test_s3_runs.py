@@ -181,3 +181,27 @@ def test_two_ranks_upload_their_own_shards_and_resume_bit_identical(tiny_model_d
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step {step}" in resumed.stderr
     assert same(remote_final(url), final_weights(clean))
+
+
+def test_direct_mode_writes_through_dcp_and_a_dropped_shard_is_never_committed(
+        tiny_model_dir, sft_data, uninterrupted, s3_bucket, s3_endpoint, tmp_path):
+    """store.upload=direct: DCP's fsspec writer streams into the store. The store silently drops step 4's
+    model shard (200, nothing kept): the size check refuses to commit it, the run goes on, and a kill plus a
+    fresh machine resumes from a committed step with bit-identical final weights."""
+    url, mirror = f"{s3_bucket}/run", tmp_path / "mirror"
+    overrides = base_overrides(tiny_model_dir, sft_data, url, **{
+        "train.save_every": 2, "store.local_dir": mirror, "store.upload": "direct"})
+    with FaultyProxy(s3_endpoint) as proxy:
+        proxy.rules = [["PUT", "step-000004/__0_0.distcp", "blackhole", 1]]
+        crashed = run_sft([*overrides, "debug.crash_at_step=4"], proxy.endpoint)
+        assert proxy.seen[("PUT", "blackhole")] == 1
+    assert crashed.returncode == -9, crashed.stderr[-2000:]
+    assert "did not reach" in crashed.stderr and "__0_0.distcp" in crashed.stderr
+    store = RunStore(url)
+    assert store.manifest(4)[0] is None and store.manifest(2)[0] is not None
+    assert not (mirror / "checkpoints").exists() or not any((mirror / "checkpoints").iterdir())
+    shutil.rmtree(mirror)
+    resumed = run_sft(overrides, s3_endpoint)
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "resuming from step 2" in resumed.stderr
+    assert same(remote_final(url), uninterrupted)
