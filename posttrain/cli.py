@@ -52,6 +52,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
     ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
     ("posttrain.models.lora", "LoraSetupError"),
+    ("posttrain.telemetry.trackers", "TrackerUnavailable"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"),)

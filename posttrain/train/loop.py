@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from posttrain import dist
+from posttrain.config.sections import MetricsConfig
 from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
 from posttrain.train.checkpoint import (
@@ -73,6 +74,8 @@ class LoopSettings:
     crash_at_step: int | None = None
     log_unit_ids: bool = False
     tensorboard: bool = True
+    telemetry: MetricsConfig | None = None  # Prometheus, W&B, MLflow (posttrain.train.metrics.MetricsSink)
+    run_config: dict[str, Any] | None = None  # the resolved config, logged as the trackers' run params
     resume_from: CheckpointInfo | None = None  # chosen by posttrain.train.identity.plan_resume
     summary: RunSummary = field(default_factory=RunSummary)
 
@@ -164,6 +167,7 @@ class _Run:
         self.next_step, self.optimizer_steps, self.rollbacks = 0, 0, 0
         self.skip: set[int] = set(settings.skip_steps)
         self.last_saved = -1
+        self.sink: MetricsSink | None = None
 
     def trainer_state(self) -> dict[str, Any]:
         return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps, "rollbacks": self.rollbacks,
@@ -180,9 +184,12 @@ class _Run:
 
     def save(self) -> None:
         s = self.settings
+        started = time.perf_counter()
         save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity,
                         s.keep_last)
         self.last_saved = self.next_step
+        if self.sink is not None:
+            self.sink.checkpoint_committed(self.next_step, time.perf_counter() - started)
 
 
 def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: float, elapsed: float,
@@ -240,7 +247,9 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
         settings.alerts.emit("resumed", step=run.next_step, checkpoint=str(resumed.path), echo=False)
         if dist.is_main():  # one record per step: what the lost steps after the checkpoint wrote goes
             cut_logs(settings.output_dir, run.next_step)
-    sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard)
+    sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard,
+                       settings.telemetry, settings.run_config, settings.alerts)
+    run.sink = sink
     summary = settings.summary
     bad_streak: list[int] = []
     model.train()
@@ -251,13 +260,16 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                 source.end_step(step, False, {})
                 run.next_step += 1
                 sink.skip()
+                sink.step_finished(run.next_step)
             else:
                 started = time.perf_counter()
                 lr = settings.lr * lr_multiplier(step, total_steps, settings.lr_schedule, settings.warmup_steps,
                                                  settings.min_lr_ratio)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                waited = time.perf_counter()
                 batch = source.next_step(step, model)
+                data_wait = time.perf_counter() - waited
                 groups = batch.groups()
                 updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings)
                            for micro, norm in groups]
@@ -273,9 +285,10 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
                     _log_units(settings.output_dir, step, batch.unit_ids)
                 elapsed = time.perf_counter() - started
                 summary.add_step(batch.tokens, elapsed, skipped=not accepted)
+                sink.step_finished(run.next_step, updates)
                 if step % settings.log_every == 0 or run.next_step == total_steps:
                     sink.log({**_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]),
-                              **after_step})
+                              "data_wait_s": data_wait, **after_step})
                 else:
                     sink.skip()
                 if all(u.ok for u in updates):
@@ -307,7 +320,7 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
     _evaluate(model, settings, sink, run.next_step)
     summary.steps, summary.optimizer_steps = run.next_step, run.optimizer_steps
     summary.final_loss = sink.last_loss
-    sink.close()
+    sink.close(finished=True)
     return 0
 
 

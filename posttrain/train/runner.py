@@ -36,6 +36,7 @@ from posttrain.models.lora import (
     quantization_config,
 )
 from posttrain.models.tiny import count_parameters
+from posttrain.telemetry.trackers import check_trackers
 from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.identity import ResumeError, ResumePlan, RunIdentity, plan_resume, write_finished
@@ -178,6 +179,7 @@ def build_policy(
 
 def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = None) -> LoopSettings:
     config = run.config
+    check_trackers(config.metrics)  # a missing tracker package fails here, on every rank, before any step
     train, health, debug = config.train, config.health, config.debug
     return LoopSettings(
         output_dir=run.output_dir,
@@ -214,6 +216,8 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         crash_at_step=debug.crash_at_step,
         log_unit_ids=debug.log_unit_ids,
         tensorboard=config.metrics.tensorboard,
+        telemetry=config.metrics,
+        run_config=config.model_dump(mode="json"),
     )
 
 
