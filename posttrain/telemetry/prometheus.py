@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import socket
+import sys
 import threading
 import time
 from typing import Any
@@ -163,7 +164,9 @@ class PrometheusExporter:
         Returns whether such a scrape came."""
         scraped = False
         if linger_s > 0:
-            self._closing = True
+            self._closing = True  # before saying so: a scrape that follows the line below must count
+            print(f"[posttrain] metrics: run finished; serving the final metrics until the next scrape (at most "
+                  f"{linger_s:g} s)", file=sys.stderr, flush=True)
             scraped = self._scraped.wait(linger_s)
         self.server.shutdown()
         self.server.server_close()

@@ -184,9 +184,6 @@ class MetricsSink:
             tracker.close()
         self.trackers = []
         if self.exporter is not None:
-            if finished and self.linger_s > 0:
-                print(f"[posttrain] metrics: run finished; serving the final metrics until the next scrape "
-                      f"(at most {self.linger_s:g} s)", file=sys.stderr, flush=True)
             self.exporter.close(self.linger_s if finished else 0.0)
             self.exporter = None
         if self.bar is not None:
