@@ -237,5 +237,42 @@ class DebugConfig(StrictModel):
     )
 
 
+class WandbConfig(StrictModel):
+    """``metrics.wandb``: log every step record and the resolved config to Weights & Biases (rank 0)."""
+
+    project: str
+    entity: str | None = None
+    mode: Literal["online", "offline", "disabled"] = Field(
+        default="online", description="offline: write the run under dir for a later `wandb sync`."
+    )
+    dir: str | None = Field(default=None, description="Where W&B keeps its files; default: output_dir.")
+
+
+class MlflowConfig(StrictModel):
+    """``metrics.mlflow``: log every step record and the resolved config (as params) to MLflow (rank 0)."""
+
+    tracking_uri: str = Field(description="e.g. http://mlflow:5000, or file:///path/mlruns for a local store.")
+    experiment: str = Field(description="Experiment name; created when it does not exist.")
+    run_name: str | None = None
+
+
 class MetricsConfig(StrictModel):
+    """Where the per-step records go besides metrics.jsonl (docs/metrics.md)."""
+
     tensorboard: bool = Field(default=True, description="Also write TensorBoard events when it is installed.")
+    prometheus_port: int | None = Field(
+        default=None, ge=0, le=65535,
+        description="Serve Prometheus /metrics on this port from rank 0 (0: any free port, printed at start; "
+        "null: off). pip install 'posttrain[prometheus]'.",
+    )
+    prometheus_addr: str = Field(default="0.0.0.0", description="Address the /metrics server binds.")
+    prometheus_linger_s: float = Field(
+        default=0.0, ge=0.0,
+        description="When the run ends, keep serving until one scrape has fetched the final values, at most "
+        "this many seconds (a short run otherwise ends between two scrapes).",
+    )
+    allreduce_probe_every: int = Field(
+        default=50, ge=1, description="Time a small all-reduce every N steps (posttrain_allreduce_latency_seconds)."
+    )
+    wandb: WandbConfig | None = Field(default=None, description="Weights & Biases (null: off).")
+    mlflow: MlflowConfig | None = Field(default=None, description="MLflow (null: off).")

@@ -173,8 +173,8 @@ class DirectSaver:
     checkpoint (the run goes on; the previous one stays the newest valid), prune and upload the logs after a
     commit, and say ``down`` once the store stayed unavailable past ``store.max_outage_s``."""
 
-    def __init__(self, store: RunStore, keep_last: int, alert, on_commit=None):
-        self.store, self.keep_last, self.alert, self.on_commit = store, keep_last, alert, on_commit
+    def __init__(self, store: RunStore, keep_last: int, alert):
+        self.store, self.keep_last, self.alert = store, keep_last, alert
         self.down = False
 
     def save(self, step: int, model, optimizer, trainer_state: dict[str, Any], identity: dict[str, Any]) -> bool:
@@ -198,8 +198,6 @@ class DirectSaver:
                 self.store.push(LOGS)
             except StoreUnavailable as exc:  # the checkpoint is committed; the next save retries the clean-up
                 self.alert("store_retry", what="pruning and uploading logs", error=str(exc)[:300])
-            if self.on_commit is not None:
-                self.on_commit(step, seconds, time.time())
             self.alert("checkpoint_uploaded", step=step, seconds=round(seconds, 3), store=self.store.url,
                        echo=False)
         return True

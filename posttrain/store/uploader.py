@@ -42,14 +42,15 @@ class CheckpointUploader:
         """The store stayed unavailable past the outage limit: the run should stop (exit 75)."""
         return isinstance(self.failure, StoreUnavailable)
 
-    def submit(self, step: int, local_dir: Path, files: list[str]) -> float:
-        """Start uploading checkpoint ``step`` (``files``: the names this rank wrote); returns the seconds spent
-        waiting for the previous upload first."""
+    def submit(self, step: int, local_dir: Path, files: list[str], local_s: float = 0.0) -> float:
+        """Start uploading checkpoint ``step`` (``files``: the names this rank wrote; ``local_s``: how long its
+        local save took, added to the upload time reported at the commit); returns the seconds spent waiting
+        for the previous upload first."""
         waited = self.wait()
         if self.down:
             return waited
         self.in_flight = step
-        self._thread = threading.Thread(target=self._upload, args=(step, local_dir, files),
+        self._thread = threading.Thread(target=self._upload, args=(step, local_dir, files, local_s),
                                         name=f"posttrain-upload-{step}", daemon=True)
         self._thread.start()
         return waited
@@ -65,7 +66,7 @@ class CheckpointUploader:
             raise failure
         return time.perf_counter() - started
 
-    def _upload(self, step: int, local_dir: Path, files: list[str]) -> None:
+    def _upload(self, step: int, local_dir: Path, files: list[str], local_s: float) -> None:
         base = f"{CHECKPOINTS}/step-{step:06d}"
         t0 = time.perf_counter()
         try:
@@ -78,7 +79,7 @@ class CheckpointUploader:
                 seconds = time.perf_counter() - t0
                 self.committed_step = step
                 if self.on_commit is not None:
-                    self.on_commit(step, seconds, time.time())
+                    self.on_commit(step, local_s + seconds, time.time())
                 self.alert("checkpoint_uploaded", step=step, seconds=round(seconds, 3), store=self.store.url,
                            echo=False)
         except StoreUnavailable as exc:

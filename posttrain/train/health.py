@@ -24,6 +24,7 @@ import sys
 import time
 import urllib.request
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,7 +103,8 @@ class Alerts:
     """Events to ``alerts.jsonl`` (rank 0), a webhook when one is set, and one line each on stderr.
 
     Writing an alert never stops training: an alert file that cannot be written (a full disk) or a
-    webhook that is down is reported once on stderr and the run goes on.
+    webhook that is down is reported once on stderr and the run goes on. ``listeners`` are called with each
+    event on rank 0 (the Prometheus exporter counts them by kind).
     """
 
     QUIET = frozenset({"config_warning"})  # already printed as a Python warning
@@ -110,6 +112,7 @@ class Alerts:
     def __init__(self, path: Path, webhook: str | None = None, timeout_s: float = 5.0, echo: bool = True):
         self.path, self.webhook, self.timeout_s, self.echo = path, webhook, timeout_s, echo
         self._file_failed = False
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def emit(self, kind: str, *, message: str | None = None, echo: bool = True, **fields: Any) -> dict[str, Any]:
         """Record one event; ``message`` is the line printed (default: the kind and its fields)."""
@@ -120,6 +123,8 @@ class Alerts:
             line = message or f"{kind.replace('_', ' ')}: " + ", ".join(f"{k}={v}" for k, v in fields.items())
             print(f"[posttrain] {line}", file=sys.stderr, flush=True)
         self._append(event)
+        for listener in self.listeners:
+            listener(event)
         if self.webhook:
             request = urllib.request.Request(
                 self.webhook, data=json.dumps(event, allow_nan=False).encode(),

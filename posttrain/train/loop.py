@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from posttrain import dist
+from posttrain.config.sections import MetricsConfig
 from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
 from posttrain.store import RunStore
@@ -80,6 +81,8 @@ class LoopSettings:
     stall_timeout_s: float | None = None  # health.stall_timeout_s: the watchdog (posttrain.train.watchdog); None: off
     log_unit_ids: bool = False
     tensorboard: bool = True
+    telemetry: MetricsConfig | None = None  # Prometheus, W&B, MLflow (posttrain.train.metrics.MetricsSink)
+    run_config: dict[str, Any] | None = None  # the resolved config, logged as the trackers' run params
     resume_from: CheckpointInfo | None = None  # chosen by posttrain.train.identity.plan_resume
     store: RunStore | None = None  # a remote run store gets each checkpoint uploaded (posttrain.store)
     attempt: str = ""  # this start's id, the same on every rank
@@ -171,6 +174,9 @@ class _Run:
         self.skip: set[int] = set(settings.skip_steps)
         self.last_saved = -1
         self.uploader, self.direct = _remote_checkpoints(settings)
+        self.sink: MetricsSink | None = None
+        if self.uploader is not None:
+            self.uploader.on_commit = self._committed
 
     def trainer_state(self) -> dict[str, Any]:
         return {"next_step": self.next_step, "optimizer_steps": self.optimizer_steps, "rollbacks": self.rollbacks,
@@ -189,19 +195,30 @@ class _Run:
         """Checkpoint to local disk; with a remote store, then upload it (in the background unless
         ``store.upload=blocking``), after the previous upload has finished."""
         s = self.settings
+        started = time.perf_counter()
         if self.direct is not None:  # store.upload=direct: DCP writes into the store itself
-            self.direct.save(self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity)
+            if self.direct.save(self.next_step, self.model, self.optimizer, self.trainer_state(), s.identity):
+                self._committed(self.next_step, time.perf_counter() - started)
             self.last_saved = self.next_step
             return
         if self.uploader is not None:
             self.uploader.wait()
+            started = time.perf_counter()  # that wait was the previous checkpoint's upload
         saved = save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(),
                                 s.identity, s.keep_last, per_node_dir=self.uploader is not None)
         self.last_saved = self.next_step
-        if self.uploader is not None:
-            self.uploader.submit(saved.step, saved.path, saved.files)
-            if s.upload == "blocking":
-                self.uploader.wait()
+        if self.uploader is None:
+            self._committed(self.next_step, time.perf_counter() - started)
+            return
+        self.uploader.submit(saved.step, saved.path, saved.files, local_s=time.perf_counter() - started)
+        if s.upload == "blocking":
+            self.uploader.wait()
+
+    def _committed(self, step: int, save_s: float, committed_at: float | None = None) -> None:
+        """A checkpoint is committed (``save_s``: from the start of its save to the commit — with a remote store,
+        the upload included: what a preemption's grace period must cover)."""
+        if self.sink is not None:
+            self.sink.checkpoint_committed(step, save_s, committed_at)
 
     def store_down(self) -> bool:
         return any(path is not None and path.down for path in (self.uploader, self.direct))
@@ -318,7 +335,9 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
         settings.alerts.emit("resumed", step=run.next_step, checkpoint=str(resumed.path), echo=False)
         if dist.is_main():  # one record per step: what the lost steps after the checkpoint wrote goes
             cut_logs(settings.output_dir, run.next_step)
-    sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard)
+    sink = MetricsSink(settings.output_dir, total_steps, run.next_step, source.name, settings.tensorboard,
+                       settings.telemetry, settings.run_config, settings.alerts)
+    run.sink = sink
     summary = settings.summary
     bad_streak: list[int] = []
     model.train()
@@ -330,6 +349,7 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                 source.end_step(step, False, {})
                 run.next_step += 1
                 sink.skip()
+                sink.step_finished(run.next_step)
             else:
                 if settings.hang_at_step == step:
                     hang_forever()  # stall drill (debug.hang_at_step): before the step's collectives
@@ -338,7 +358,9 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                                                  settings.min_lr_ratio)
                 for group in optimizer.param_groups:
                     group["lr"] = lr
+                waited = time.perf_counter()
                 batch = source.next_step(step, model)
+                data_wait = time.perf_counter() - waited
                 groups = batch.groups()
                 updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings)
                            for micro, norm in groups]
@@ -354,9 +376,10 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                     _log_units(settings.output_dir, step, batch.unit_ids)
                 elapsed = time.perf_counter() - started
                 summary.add_step(batch.tokens, elapsed, skipped=not accepted)
+                sink.step_finished(run.next_step, updates)
                 if step % settings.log_every == 0 or run.next_step == total_steps:
                     sink.log({**_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]),
-                              **after_step})
+                              "data_wait_s": data_wait, **after_step})
                 else:
                     sink.skip()
                 if all(u.ok for u in updates):
@@ -405,7 +428,7 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
     _evaluate(model, settings, sink, run.next_step)
     summary.steps, summary.optimizer_steps = run.next_step, run.optimizer_steps
     summary.final_loss = sink.last_loss
-    sink.close()
+    sink.close(finished=True)
     return 0
 
 

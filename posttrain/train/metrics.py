@@ -1,20 +1,29 @@
-"""Per-step metrics: progress with ETA, ``metrics.jsonl`` always, TensorBoard when installed, and the
-one-screen summary a run ends with."""
+"""Per-step metrics: progress with ETA, ``metrics.jsonl`` always, TensorBoard when installed, W&B / MLflow /
+a Prometheus exporter when configured (``metrics.*``, docs/metrics.md), and the one-screen summary a run
+ends with."""
 
 from __future__ import annotations
 
 import errno
 import resource
+import sys
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain import dist
+from posttrain.config.sections import MetricsConfig
 from posttrain.data.io import append_jsonl, parse_json_line, write_jsonl
+from posttrain.telemetry.trackers import Tracker, open_trackers
 from posttrain.train.checkpoint import DiskFullError
-from posttrain.train.health import finite_or_none
+from posttrain.train.health import Alerts, finite_or_none
+
+if TYPE_CHECKING:
+    from posttrain.telemetry.prometheus import PrometheusExporter
 
 # Dense bf16 peak FLOP/s per device, for MFU. Unknown devices fall back to train.peak_flops or the CPU guess.
 PEAK_FLOPS = {"H200": 989e12, "H100": 989e12, "A100": 312e12, "L40S": 362e12, "A10G": 125e12, "L4": 121e12}
@@ -66,27 +75,46 @@ def cut_logs(output_dir: Path, step: int) -> None:
 
 
 class MetricsSink:
-    def __init__(self, output_dir: Path, total_steps: int, start_step: int, desc: str, tensorboard: bool = True):
+    """Where the loop's records go: ``metrics.jsonl`` and the progress bar, then every tracker (TensorBoard,
+    W&B, MLflow: ``posttrain.telemetry.trackers``) and the Prometheus exporter (``metrics.prometheus_port``;
+    ``posttrain.telemetry.prometheus``), all from rank 0. One instance on every rank: ``step_finished`` is a
+    collective when the exporter is on (each rank's heartbeat travels to rank 0)."""
+
+    def __init__(self, output_dir: Path, total_steps: int, start_step: int, desc: str, tensorboard: bool = True,
+                 telemetry: MetricsConfig | None = None, run_config: dict[str, Any] | None = None,
+                 alerts: Alerts | None = None):
+        telemetry = telemetry or MetricsConfig(tensorboard=tensorboard)
         self.enabled = dist.is_main()
         self.path = output_dir / "metrics.jsonl"
-        self.writer = None
+        self.trackers: list[Tracker] = []
+        self.exporter: PrometheusExporter | None = None
         self.bar = None
         self.last_loss: float | None = None
+        self.pending: dict[str, float] = {}  # fields for the next step record (the last checkpoint's save time)
+        # Known on every rank (the config is), so every rank joins the heartbeat collective or none does.
+        self.heartbeats = telemetry.prometheus_port is not None
+        self.probe_every = telemetry.allreduce_probe_every
+        self.linger_s = telemetry.prometheus_linger_s
         if not self.enabled:
             return
         output_dir.mkdir(parents=True, exist_ok=True)
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
+        self.trackers = open_trackers(telemetry, output_dir, run_config or {}, tensorboard)
+        if telemetry.prometheus_port is not None:
+            from posttrain.telemetry.prometheus import PrometheusExporter
 
-                self.writer = SummaryWriter(str(output_dir / "tensorboard"))
-            except ImportError:
-                self.writer = None  # optional extra: pip install 'posttrain[tensorboard]'
+            self.exporter = PrometheusExporter(telemetry.prometheus_port, telemetry.prometheus_addr, total_steps,
+                                               start_step, dist.world_size())
+            print(f"[posttrain] metrics: Prometheus /metrics on {telemetry.prometheus_addr}:{self.exporter.port}",
+                  file=sys.stderr, flush=True)
+            if alerts is not None:
+                alerts.listeners.append(self.exporter.alert)
         from posttrain.progress import progress
 
         self.bar = progress(total=total_steps, initial=start_step, desc=desc, unit="step", leave=True)
 
     def log(self, record: dict[str, Any], advance: bool = True) -> None:
+        if advance and self.pending:
+            record, self.pending = {**record, **self.pending}, {}
         if "loss" in record:
             self.last_loss = record["loss"]
         if not self.enabled:
@@ -98,10 +126,10 @@ class MetricsSink:
                 raise DiskFullError(errno.ENOSPC, f"no space left on the device writing {self.path}: free space "
                                     "and rerun to resume from the last checkpoint") from exc
             raise
-        if self.writer is not None:
-            for key, value in record.items():
-                if isinstance(value, int | float) and key != "step":
-                    self.writer.add_scalar(key, value, record["step"])
+        for tracker in self.trackers:
+            tracker.log(record)
+        if self.exporter is not None:
+            self.exporter.observe(record)
         if self.bar is not None and advance:
             shown = {k: f"{record[k]:.4g}" for k in ("loss", "grad_norm", "lr") if k in record}
             if record.get("skipped"):
@@ -109,7 +137,38 @@ class MetricsSink:
             self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
 
+    def step_finished(self, next_step: int, updates: Sequence[Any] = ()) -> None:
+        """After every step, on every rank: the step counter, skipped and non-finite updates (``updates``: the
+        step's ``UpdateResult``s), each rank's heartbeat (a small all-reduce of finish times) and, every
+        ``metrics.allreduce_probe_every`` steps, a timed all-reduce. Nothing when the exporter is off."""
+        if not self.heartbeats:
+            return
+        times = torch.zeros(dist.world_size(), dtype=torch.float64)
+        times[dist.rank()] = time.time()
+        dist.all_reduce_sum(times)  # also lines the ranks up, so the probe below times the collective alone
+        latency = None
+        if dist.initialized() and next_step % self.probe_every == 0:
+            probe = torch.ones(1024, dtype=torch.float32)
+            started = time.perf_counter()
+            dist.all_reduce_sum(probe)
+            latency = time.perf_counter() - started
+        if self.exporter is not None:
+            self.exporter.step_finished(next_step, [(u.loss, u.grad_norm, u.ok) for u in updates])
+            self.exporter.heartbeats(times.tolist())
+            if latency is not None:
+                self.exporter.allreduce.set(latency)
+
+    def checkpoint_committed(self, step: int, save_s: float, committed_at: float | None = None) -> None:
+        """A checkpoint of ``step`` is committed (``save_s``: how long saving it took): exported, and
+        ``checkpoint_save_s`` goes into the next step record."""
+        self.pending["checkpoint_save_s"] = save_s
+        if self.exporter is not None:
+            self.exporter.checkpoint_committed(step, save_s, time.time() if committed_at is None else committed_at)
+
     def rewind(self, step: int) -> None:
+        """The loop rolled back to the checkpoint of ``step``."""
+        if self.exporter is not None:
+            self.exporter.rolled_back(step)
         if self.bar is not None:
             self.bar.n = step
             self.bar.refresh()
@@ -118,9 +177,15 @@ class MetricsSink:
         if self.bar is not None:
             self.bar.update(1)
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
+    def close(self, finished: bool = False) -> None:
+        """Close the trackers and the exporter; when the run ``finished``, the exporter first waits for one
+        scrape of the final values (at most ``metrics.prometheus_linger_s``)."""
+        for tracker in self.trackers:
+            tracker.close()
+        self.trackers = []
+        if self.exporter is not None:
+            self.exporter.close(self.linger_s if finished else 0.0)
+            self.exporter = None
         if self.bar is not None:
             self.bar.close()
 

@@ -38,6 +38,7 @@ from posttrain.models.lora import (
 )
 from posttrain.models.tiny import count_parameters
 from posttrain.store import RunStore
+from posttrain.telemetry.trackers import check_trackers
 from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.identity import (
@@ -217,6 +218,7 @@ def build_policy(
 
 def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = None) -> LoopSettings:
     config = run.config
+    check_trackers(config.metrics)  # a missing tracker package fails here, on every rank, before any step
     train, health, debug = config.train, config.health, config.debug
     return LoopSettings(
         output_dir=run.output_dir,
@@ -258,6 +260,8 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         stall_timeout_s=health.stall_timeout_s,
         log_unit_ids=debug.log_unit_ids,
         tensorboard=config.metrics.tensorboard,
+        telemetry=config.metrics,
+        run_config=config.model_dump(mode="json"),
     )
 
 

@@ -1,0 +1,52 @@
+"""The PrometheusRule (prometheus-operator, ``monitoring.coreos.com/v1``) rendered from the plain rules file.
+
+``deploy/prometheus/alerts.yaml`` is the one source of the alert rules; ``deploy/prometheus/prometheusrule.yaml``
+embeds its groups unchanged for clusters that run the operator. Regenerate it after editing the rules:
+
+    python -m posttrain.telemetry.rules deploy/prometheus/alerts.yaml deploy/prometheus/prometheusrule.yaml
+
+(tests/telemetry fails when the two differ).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import yaml
+
+HEADER = ("# Generated from alerts.yaml by `python -m posttrain.telemetry.rules deploy/prometheus/alerts.yaml "
+          "deploy/prometheus/prometheusrule.yaml`:\n# edit alerts.yaml, then regenerate (tests/telemetry checks "
+          "they agree).\n")
+
+
+def prometheus_rule(rules: dict, name: str = "posttrain") -> dict:
+    """A PrometheusRule object whose ``spec.groups`` are ``rules["groups"]`` (a parsed Prometheus rules file)."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PrometheusRule",
+        "metadata": {"name": name, "labels": {"app.kubernetes.io/name": "posttrain",
+                                              "app.kubernetes.io/component": "alerts"}},
+        "spec": {"groups": rules["groups"]},
+    }
+
+
+def render(alerts_yaml: str) -> str:
+    """The PrometheusRule file's text for the rules file's text."""
+    body = yaml.safe_dump(prometheus_rule(yaml.safe_load(alerts_yaml)), sort_keys=False, width=120,
+                          allow_unicode=True)
+    return HEADER + body
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 2:
+        print(__doc__.strip().splitlines()[-3].strip(), file=sys.stderr)
+        return 2
+    source, target = map(Path, args)
+    target.write_text(render(source.read_text()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
