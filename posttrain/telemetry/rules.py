@@ -31,11 +31,18 @@ def prometheus_rule(rules: dict, name: str = "posttrain") -> dict:
     }
 
 
+class _IndentedLists(yaml.SafeDumper):
+    """Lists indented under their key, as yamllint (the repo's .yamllint) and kubectl users expect."""
+
+    def increase_indent(self, flow=False, indentless=False):  # noqa: ARG002 - PyYAML's signature
+        return super().increase_indent(flow, False)
+
+
 def render(alerts_yaml: str) -> str:
     """The PrometheusRule file's text for the rules file's text."""
-    body = yaml.safe_dump(prometheus_rule(yaml.safe_load(alerts_yaml)), sort_keys=False, width=120,
-                          allow_unicode=True)
-    return HEADER + body
+    body = yaml.dump(prometheus_rule(yaml.safe_load(alerts_yaml)), Dumper=_IndentedLists, sort_keys=False,
+                     width=120, allow_unicode=True)
+    return HEADER + "---\n" + body
 
 
 def main(argv: list[str] | None = None) -> int:

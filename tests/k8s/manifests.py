@@ -72,7 +72,8 @@ def schema_errors(document: dict) -> list[str]:
 
 def lint_errors(text: str, where: str = "<rendered>") -> list[str]:
     config = YamlLintConfig(file=str(YAMLLINT_CONFIG))
-    return [f"{where}:{p.line}:{p.column}: {p.level}: {p.message}" for p in linter.run(text, config)]
+    path = where if Path(where).is_file() else None  # per-path rules (.yamllint's ignores) need the file's path
+    return [f"{where}:{p.line}:{p.column}: {p.level}: {p.message}" for p in linter.run(text, config, path)]
 
 
 def load_documents(text: str) -> list[dict]:
