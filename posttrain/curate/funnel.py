@@ -22,6 +22,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from posttrain import __version__
+from posttrain.data.storage import sha256_file
 
 
 @dataclass
@@ -115,11 +116,7 @@ def file_sha256(path: str | Path) -> str:
         listing = [f"{file.relative_to(path).as_posix()}\t{file_sha256(file)}"
                    for file in sorted(path.rglob("*")) if file.is_file()]  # fmt: skip
         return hashlib.sha256("\n".join(listing).encode("utf-8")).hexdigest()
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
+    return sha256_file(path)
 
 
 def config_hash(config: BaseModel, exclude: set[str] | None = None) -> str:
@@ -130,47 +127,34 @@ def config_hash(config: BaseModel, exclude: set[str] | None = None) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def _remote_parent_entry(url: str) -> dict[str, Any]:
-    """``parent_entry`` of an object-store file (``s3://…``): content hash read through fsspec."""
-    import fsspec
-
-    from posttrain.data.storage import storage_errors
-
-    with storage_errors(url):
-        digest = hashlib.sha256()
-        with fsspec.open(url, "rb") as handle:
-            for block in iter(lambda: handle.read(1 << 20), b""):
-                digest.update(block)
-        entry: dict[str, Any] = {"path": url, "sha256": digest.hexdigest()}
-        manifest = url.rsplit("/", 1)[0] + "/manifest.json"
-        fs, local = fsspec.core.url_to_fs(manifest)
-        if fs.exists(local):
-            try:
-                data = json.loads(fs.cat_file(local))
-                for output in data.get("outputs", {}).values():
-                    if output.get("sha256") == entry["sha256"]:
-                        entry["dataset_id"] = data.get("dataset_id")
-            except (json.JSONDecodeError, AttributeError):
-                entry["manifest_error"] = "unreadable manifest.json beside this file"
-    return entry
-
-
 def parent_entry(path: str | Path) -> dict[str, Any]:
-    """A parent dataset: its content hash, plus its own manifest's dataset id when it has one."""
-    if "://" in str(path) and not str(path).startswith("file://"):
-        return _remote_parent_entry(str(path))
-    path = Path(path)
-    entry: dict[str, Any] = {"path": str(path), "sha256": file_sha256(path)}
-    manifest = path.parent / "manifest.json"
-    if manifest.exists():
+    """A parent dataset: its content hash, plus its own manifest's dataset id when it has one. ``path`` may be
+    a local file or directory (a saved dataset) or an object-store URL (read through fsspec)."""
+    from posttrain.data.storage import filesystem, is_remote, storage_errors
+
+    if is_remote(str(path)):
+        with storage_errors(str(path)):
+            fs, where = filesystem(str(path))
+            entry: dict[str, Any] = {"path": str(path), "sha256": sha256_file(where, fs)}
+            manifest_text = _read_if_exists(fs, where.rsplit("/", 1)[0] + "/manifest.json")
+    else:
+        path = Path(path)
+        entry = {"path": str(path), "sha256": file_sha256(path)}
+        manifest = path.parent / "manifest.json"
+        manifest_text = manifest.read_bytes() if manifest.exists() else None
+    if manifest_text is not None:
         try:
-            data = json.loads(manifest.read_text(encoding="utf-8"))
+            data = json.loads(manifest_text)
             for output in data.get("outputs", {}).values():
                 if output.get("sha256") == entry["sha256"]:
                     entry["dataset_id"] = data.get("dataset_id")
-        except (json.JSONDecodeError, AttributeError):
+        except (json.JSONDecodeError, AttributeError, UnicodeDecodeError):
             entry["manifest_error"] = "unreadable manifest.json beside this file"
     return entry
+
+
+def _read_if_exists(fs, path: str) -> bytes | None:
+    return fs.cat_file(path) if fs.exists(path) else None
 
 
 def write_manifest(

@@ -259,9 +259,10 @@ class AtomicFile:
 # ------------------------------------------------------------------------------------------ fingerprints
 
 
-def _content_sha256(fs, path: str) -> str:
+def sha256_file(path: str | os.PathLike, fs=None) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks: a local path, or ``path`` on fsspec filesystem ``fs``."""
     digest = hashlib.sha256()
-    with fs.open(path, "rb") as handle:
+    with (fs.open(path, "rb") if fs is not None else open(path, "rb")) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
@@ -282,7 +283,7 @@ def file_fingerprint(fs, path: str, info: dict[str, Any] | None = None) -> str:
     - any store that gives none of these: the content's sha256, read once.
     """
     if not is_remote(fs.unstrip_protocol(path)):
-        return f"sha256:{_content_sha256(fs, path)}"
+        return f"sha256:{sha256_file(path, fs)}"
     info = info if info is not None else fs.info(path)
     etag = info.get("ETag") or info.get("etag")
     if etag:
@@ -290,7 +291,7 @@ def file_fingerprint(fs, path: str, info: dict[str, Any] | None = None) -> str:
     for key in ("md5Hash", "crc32c"):
         if info.get(key):
             return f"{key}:{info[key]}:{info.get('size')}"
-    return f"sha256:{_content_sha256(fs, path)}"
+    return f"sha256:{sha256_file(path, fs)}"
 
 
 def source_fingerprint(url: str) -> dict[str, Any]:

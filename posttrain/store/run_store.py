@@ -24,7 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posttrain.data.storage import filesystem, is_remote, protocol_of
+from posttrain.data.storage import filesystem, is_remote, protocol_of, sha256_file
 
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
@@ -48,14 +48,6 @@ def default_local_dir(url: str) -> Path:
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "runs"
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url.split("://", 1)[-1]).strip("-")[-60:]
     return base / f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
-
-
-def sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _open_fs(url: str):

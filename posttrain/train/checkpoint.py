@@ -57,17 +57,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from posttrain import dist
+from posttrain.data.storage import sha256_file
 
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        for block in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -133,7 +126,7 @@ def verify_checkpoint(path: Path) -> str | None:
         file = path / name
         if not file.exists():
             return f"file {name} missing"
-        if _sha256(file) != expected:
+        if sha256_file(file) != expected:
             return f"checksum mismatch in {name}"
     return None
 
@@ -236,7 +229,7 @@ def _own_files(staging: Path) -> dict[str, tuple[str, int]]:
         if path.is_file() and owner(name) == dist.rank():
             with open(path, "rb") as handle:
                 os.fsync(handle.fileno())
-            mine[name] = (_sha256(path), path.stat().st_size)
+            mine[name] = (sha256_file(path), path.stat().st_size)
     return mine
 
 
