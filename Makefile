@@ -28,8 +28,9 @@ bubblewrap:
 promtool:
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
 
+# Two pytest workers (CI has 2 cores; every test process runs torch on one thread, tests/conftest.py).
 test: $(BIN)/.installed chromium bubblewrap promtool
-	$(BIN)/python -m pytest -q tests
+	$(BIN)/python -m pytest -q -n 2 tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check posttrain tests benchmarks
