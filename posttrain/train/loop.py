@@ -224,9 +224,13 @@ class _Run:
         return any(path is not None and path.down for path in (self.uploader, self.direct))
 
     def rollback_checkpoint(self) -> CheckpointInfo | None:
-        """The newest valid checkpoint to roll back to: on local disk, or — when checkpoints live only in the
-        store (``store.upload=direct``) — fetched from it first, by the first process of each node."""
-        if self.direct is not None:
+        """The newest valid checkpoint to roll back to. With a remote store it is the newest *committed* one
+        (the upload in flight finishes first), fetched by the first process of each node — a node's own disk
+        holds only its own shards, and with ``store.upload=direct`` nothing; files already there with the
+        right sha256 are not downloaded again."""
+        if self.uploader is not None:
+            self.uploader.wait()
+        if self.uploader is not None or self.direct is not None:
             step = self.settings.store.fetch_latest() if dist.is_main() else None
             step = dist.broadcast_object(step)
             if step is not None and dist.local_rank() == 0 and not dist.is_main():

@@ -39,7 +39,7 @@ from posttrain.models.lora import (
 from posttrain.models.tiny import count_parameters
 from posttrain.store import RunStore
 from posttrain.telemetry.trackers import check_trackers
-from posttrain.train.checkpoint import DiskFullError, export_hf, full_model_state_dict
+from posttrain.train.checkpoint import CheckpointInfo, DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.identity import (
     FINISHED,
@@ -131,8 +131,11 @@ def start_run(config: TrainingRecipe) -> Run:
     if isinstance(plan, Exception):
         dist.destroy()
         raise plan
-    if store.remote and plan.checkpoint is not None and dist.local_rank() == 0 and not dist.is_main():
-        store.fetch_checkpoint(plan.checkpoint.step, plan.checkpoint.manifest)  # another node's own disk
+    if store.remote and plan.checkpoint is not None:
+        if dist.local_rank() == 0 and not dist.is_main():  # another node: its own disk, its own mirror
+            store.fetch_checkpoint(plan.checkpoint.step, plan.checkpoint.manifest)
+        plan.checkpoint = CheckpointInfo(store.local / "checkpoints" / plan.checkpoint.path.name,
+                                         plan.checkpoint.step, plan.checkpoint.manifest)
     dist.barrier()
     where = store.url if store.remote else str(store.local)
     if plan.finished is not None:

@@ -19,7 +19,6 @@ from tests.train.conftest import (
     base_overrides,
     env,
     final_weights,
-    make_sft_jsonl,
     run_subprocess,
     sft_command,
 )
@@ -52,11 +51,6 @@ def remote_alerts(url: str) -> list[dict]:
 
 def same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.fixture(scope="module")
-def sft_data(tmp_path_factory) -> str:
-    return str(make_sft_jsonl(tmp_path_factory.mktemp("sftdata") / "train.jsonl"))
 
 
 @pytest.fixture(scope="module")
