@@ -54,7 +54,8 @@ class DataConfig(StrictModel):
     format: Literal["auto", "messages", "sharegpt", "alpaca", "preference", "preference_conversational", "rl"] = "auto"
     on_error: Literal["raise", "quarantine"] = "raise"
     quarantine_path: str | None = Field(
-        default=None, description="Where quarantined records go; default: <output_dir>/quarantine.jsonl."
+        default=None, description="Where quarantined records go; default: <output_dir>/quarantine.jsonl (uploaded "
+        "with the run's other files when output_dir is remote)."
     )
     packing: bool = False
     truncation_side: Literal["right", "left"] = "right"

@@ -43,6 +43,13 @@ class IncompleteUpload(OSError):
     """An uploaded object is missing or has another size than the local file (a dropped or cut write)."""
 
 
+def working_dir(output_dir: str, local_dir: str | Path | None = None) -> Path:
+    """Where a run with this ``output_dir`` writes: the directory itself, or a remote one's local mirror."""
+    if not is_remote(output_dir):
+        return Path(str(output_dir).removeprefix("file://"))
+    return Path(local_dir) if local_dir else default_local_dir(str(output_dir).rstrip("/"))
+
+
 def default_local_dir(url: str) -> Path:
     """``$XDG_CACHE_HOME/posttrain/runs/<readable name>-<hash>``: one local mirror per remote URL."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "runs"
@@ -73,12 +80,11 @@ class RunStore:
         self.remote = is_remote(self.url)
         self.backoff_s, self.max_outage_s = backoff_s, max_outage_s
         self.on_retry = on_retry
+        self.local = working_dir(self.url, local_dir)
         if self.remote:
             self.fs, self.root = _open_fs(self.url)
-            self.local = Path(local_dir) if local_dir else default_local_dir(self.url)
         else:
-            self.fs, self.root = None, self.url.removeprefix("file://")
-            self.local = Path(self.root)
+            self.fs, self.root = None, str(self.local)
 
     def __repr__(self) -> str:
         return f"RunStore({self.url!r}, local={str(self.local)!r})"
@@ -305,7 +311,11 @@ class RunStore:
             return None
         target = time.strftime("previous-%Y%m%dT%H%M%SZ", time.gmtime())
         for name in present:
-            self.call(f"moving {name}", self.fs.mv, self.path(name), self.path(f"{target}/{name}"), True)
+            # Object by object: a store has no directories to move (s3fs's recursive mv trips over the prefix).
+            for file in self.call(f"listing {name}", self.fs.find, self.path(name)):
+                relative = file[len(self.root) + 1:]
+                self.call(f"moving {relative}", self.fs.copy, file, self.path(f"{target}/{relative}"))
+            self.remove(name)
         return f"{self.url}/{target}"
 
     def clear_local(self) -> None:

@@ -27,6 +27,7 @@ from posttrain.rl.prompts import PromptSampler
 from posttrain.rl.rewards import RewardFunction
 from posttrain.rl.rollout import completion_logprobs, full_weights, sample_rollouts
 from posttrain.rl.source import GRPOSource
+from posttrain.store.run_store import working_dir
 from posttrain.train.loop import train
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.precision import autocast
@@ -36,7 +37,7 @@ from posttrain.train.stream import Difficulty
 
 
 def read_prompts(config: GRPORecipe, path: str, suffix: str) -> list[RLPrompt]:
-    quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{suffix}.jsonl"
+    quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{suffix}.jsonl"
     records, report = read_records(path, kind="rl", fmt=config.data.format, on_error=config.data.on_error,
                                    quarantine_path=quarantine, split_across_ranks=True)
     say(report.summary())

@@ -31,6 +31,7 @@ from posttrain.data.records import PreferencePair
 from posttrain.data.tokenize import TokenizedExample, tokenize_preference
 from posttrain.models.logprobs import IGNORE_INDEX, chunked_token_logprobs, per_sequence_sum
 from posttrain.progress import progress
+from posttrain.store.run_store import working_dir
 
 NO_RESPONSE_LEFT = "no response tokens left after truncation"
 IDENTICAL_AFTER_TRUNCATION = "chosen and rejected are identical after truncation"
@@ -171,7 +172,7 @@ def read_pairs(config, path: str, tokenizer, quarantine_suffix: str) -> PairData
     from posttrain.data.io import read_records
     from posttrain.train.runner import say
 
-    quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{quarantine_suffix}.jsonl"
+    quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="preference", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine,
         split_across_ranks=True,

@@ -21,6 +21,7 @@ from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
 from posttrain.data.tokenize import TokenizedExample, tokenize_records
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.store.run_store import working_dir
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.precision import autocast
@@ -58,7 +59,7 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
     A template that rewrites earlier turns (Qwen3-style) gives one row per such turn
     (``posttrain.data.tokenize``); the count says so.
     """
-    quarantine = config.data.quarantine_path or f"{config.output_dir}/quarantine{quarantine_suffix}.jsonl"
+    quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine,
         split_across_ranks=True,

@@ -199,3 +199,23 @@ def test_direct_mode_writes_through_dcp_and_a_dropped_shard_is_never_committed(
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert "resuming from step 2" in resumed.stderr
     assert same(remote_final(url), uninterrupted)
+
+
+def test_quarantine_goes_up_with_the_run_and_resume_never_moves_the_store_run_aside(
+        tiny_model_dir, sft_data, s3_bucket, s3_endpoint, tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text(open(sft_data).read() + "{not json\n")
+    url = f"{s3_bucket}/run"
+    overrides = base_overrides(tiny_model_dir, str(data), url, **{
+        "store.local_dir": tmp_path / "mirror", "data.on_error": "quarantine", "train.max_steps": 2})
+    first = run_sft(overrides, s3_endpoint)
+    assert first.returncode == 0, first.stderr[-2000:]
+    store = RunStore(url)
+    assert b"not json" in store.read_bytes("quarantine.jsonl")
+    again = run_sft([*overrides, "train.resume=never"], s3_endpoint)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "the previous run was moved to s3://" in again.stderr
+    previous = [name for name in store.listdir("") if name.startswith("previous-")]
+    assert len(previous) == 1
+    assert store.read_bytes(f"{previous[0]}/finished.json") is not None
+    assert store.read_bytes("finished.json") is not None  # the new run finished too
