@@ -15,7 +15,6 @@ one, an alert is raised, and ``down`` tells the loop to stop with exit 75 (resum
 
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -112,12 +111,3 @@ class CheckpointUploader:
         self.store.prune(self.keep_last, step)
         self.store.push(LOGS)
 
-
-def print_rank_alert(rank: int) -> Callable[..., None]:
-    """The alert channel of a rank that does not own ``alerts.jsonl`` (rank > 0): one line on stderr."""
-
-    def alert(kind: str, *, message: str | None = None, echo: bool = True, **fields) -> None:
-        if echo:
-            print(f"[posttrain rank {rank}] {message or kind}", file=sys.stderr, flush=True)
-
-    return alert

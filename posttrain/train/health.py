@@ -136,6 +136,25 @@ class Alerts:
                 self._append({"time": time.time(), "kind": "webhook_failed", "error": str(exc)})
         return event
 
+    def emit_own(self, kind: str, *, message: str | None = None, echo: bool = True, **fields: Any) -> dict[str, Any]:
+        """An event only this rank knows of (its watchdog fired, its upload failed): rank 0 records it as
+        ``emit`` does; another rank prints it and appends it to ``alerts-rank<r>.jsonl`` beside
+        ``alerts.jsonl`` — alerts of every rank go through rank 0 otherwise, which may be the healthy rank
+        that waits, or on a node of its own."""
+        if dist.is_main():
+            return self.emit(kind, message=message, echo=echo, **fields)
+        event = finite_or_none({"time": time.time(), "kind": kind, **fields, **({"message": message} if message else {})})
+        if echo and self.echo:
+            print(f"[posttrain] rank {dist.rank()}: {message or kind}", file=sys.stderr, flush=True)
+        path = self.path.with_name(f"{self.path.stem}-rank{dist.rank()}{self.path.suffix}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            append_jsonl(str(path), [event])
+        except OSError as exc:
+            print(f"[posttrain] cannot write {path} ({exc.strerror or exc}); the alert is on stderr only",
+                  file=sys.stderr, flush=True)
+        return event
+
     def _append(self, event: dict[str, Any]) -> None:
         try:
             append_jsonl(str(self.path), [event])

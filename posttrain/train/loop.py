@@ -32,7 +32,7 @@ from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
 from posttrain.store import RunStore
 from posttrain.store.direct import DirectSaver
-from posttrain.store.uploader import CheckpointUploader, print_rank_alert
+from posttrain.store.uploader import CheckpointUploader
 from posttrain.train.checkpoint import (
     CheckpointInfo,
     latest_valid_checkpoint,
@@ -245,7 +245,7 @@ def _remote_checkpoints(settings: LoopSettings) -> tuple[CheckpointUploader | No
     store = settings.store
     if store is None or not store.remote:
         return None, None
-    alert = settings.alerts.emit if dist.is_main() else print_rank_alert(dist.rank())
+    alert = settings.alerts.emit_own  # an upload's outcome is this rank's own news
     store.on_retry = lambda what, error: alert(
         "store_retry", what=what, error=str(error)[:300],
         message=f"run store {store.url}: {what} failed ({str(error)[:200]}); retrying with backoff for up to "
@@ -314,7 +314,7 @@ def train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings:
     The stall watchdog runs for the whole call; the loop beats it before every phase (step, evaluation,
     checkpoint save), and it ends the process with exit 75 when one takes longer than health.stall_timeout_s.
     """
-    with Watchdog(settings.stall_timeout_s, settings.alerts, settings.output_dir) as watchdog:
+    with Watchdog(settings.stall_timeout_s, settings.alerts) as watchdog:
         return _train(model, source, loss_fn, settings, watchdog)
 
 

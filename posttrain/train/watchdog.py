@@ -15,7 +15,7 @@ around a phase that has a timeout of its own. When no beat comes for ``timeout_s
 2. records a ``stalled`` alert — rank, step, phase, seconds since the last progress, and the stacks,
    each cut to its innermost ``STACK_CHARS`` characters — through ``Alerts`` on rank 0
    (``alerts.jsonl``, the webhook); a rank above 0 prints the line on stderr and appends the event to
-   ``output_dir/alerts-rank{r}.jsonl``, because ``Alerts`` writes on rank 0 only and rank 0 may be the
+   ``output_dir/alerts-rank{r}.jsonl`` (``Alerts.emit_own``), because ``Alerts`` writes on rank 0 only and rank 0 may be the
    healthy one,
 3. ends the process with ``os._exit(75)``: a thread blocked in a collective cannot be unwound, and an
    exception on the watchdog thread would not reach it. 75 is ``EXIT_RESUMABLE``, the code a launcher
@@ -40,13 +40,11 @@ import time
 import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from posttrain import dist
-from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE
-from posttrain.train.health import Alerts, finite_or_none
+from posttrain.train.health import Alerts
 
 STALL_EXIT_CODE = EXIT_RESUMABLE
 STACK_CHARS = 4000  # per thread in the alert; stderr has the whole stacks
@@ -61,9 +59,8 @@ class Watchdog:
     process ends (``os._exit``; a test passes a recorder).
     """
 
-    def __init__(self, timeout_s: float | None, alerts: Alerts, output_dir: Path,
-                 exit_process: Callable[[int], Any] = os._exit) -> None:
-        self.timeout_s, self.alerts, self.output_dir, self._exit = timeout_s, alerts, output_dir, exit_process
+    def __init__(self, timeout_s: float | None, alerts: Alerts, exit_process: Callable[[int], Any] = os._exit) -> None:
+        self.timeout_s, self.alerts, self._exit = timeout_s, alerts, exit_process
         self._last = time.monotonic()
         self._phase, self._step = "setup", 0
         self._paused = 0
@@ -127,10 +124,7 @@ class Watchdog:
             _dump_stacks_to_stderr(rank)
             fields = {"rank": rank, "step": step, "phase": phase, "seconds_since_progress": round(idle, 3),
                       "timeout_s": self.timeout_s, "exit_code": STALL_EXIT_CODE, "stacks": thread_stacks()}
-            if dist.is_main():
-                self.fired = self.alerts.emit("stalled", message=message, **fields)
-            else:
-                self.fired = _emit_on_this_rank(self.output_dir / f"alerts-rank{rank}.jsonl", message, fields)
+            self.fired = self.alerts.emit_own("stalled", message=message, **fields)
         finally:
             sys.stderr.flush()
             backstop.cancel()
@@ -158,18 +152,6 @@ def _dump_stacks_to_stderr(rank: int) -> None:
     except (AttributeError, ValueError, OSError):  # stderr without a file descriptor (captured in a test)
         for name, stack in thread_stacks(limit=1 << 30).items():
             print(f"Thread {name}:\n{stack}", file=sys.stderr)
-
-
-def _emit_on_this_rank(path: Path, message: str, fields: dict[str, Any]) -> dict[str, Any]:
-    event = finite_or_none({"time": time.time(), "kind": "stalled", **fields, "message": message})
-    print(f"[posttrain] {message}", file=sys.stderr, flush=True)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        append_jsonl(str(path), [event])
-    except OSError as exc:
-        print(f"[posttrain] cannot write {path} ({exc.strerror or exc}); the alert is on stderr only",
-              file=sys.stderr, flush=True)
-    return event
 
 
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"  # set by torchrun's agent: 0 in the first attempt

@@ -37,7 +37,7 @@ def test_a_stall_alerts_with_every_threads_stack_and_exits_resumable(tmp_path):
     stuck = threading.Thread(target=_stuck_in_a_collective, args=(release,), name="trainer")
     stuck.start()
     try:
-        with Watchdog(0.3, Alerts(tmp_path / "alerts.jsonl", echo=False), tmp_path, exit_process=exits.append) as dog:
+        with Watchdog(0.3, Alerts(tmp_path / "alerts.jsonl", echo=False), exit_process=exits.append) as dog:
             dog.beat("checkpoint save", 7)
             started = time.monotonic()
             assert wait_for(lambda: exits, timeout=5)
@@ -57,7 +57,7 @@ def test_a_stall_alerts_with_every_threads_stack_and_exits_resumable(tmp_path):
 
 def test_beats_keep_it_quiet_a_pause_stops_the_clock_and_it_stays_armed_after(tmp_path):
     exits: list[int] = []
-    with Watchdog(0.3, Alerts(tmp_path / "alerts.jsonl", echo=False), tmp_path, exit_process=exits.append) as dog:
+    with Watchdog(0.3, Alerts(tmp_path / "alerts.jsonl", echo=False), exit_process=exits.append) as dog:
         for step in range(10):  # 1 s of steps of 0.1 s: never 0.3 s without progress
             dog.beat("step", step)
             time.sleep(0.1)
@@ -71,7 +71,7 @@ def test_beats_keep_it_quiet_a_pause_stops_the_clock_and_it_stays_armed_after(tm
 
 
 def test_no_timeout_no_thread(tmp_path):
-    with Watchdog(None, Alerts(tmp_path / "alerts.jsonl"), tmp_path) as dog:
+    with Watchdog(None, Alerts(tmp_path / "alerts.jsonl")) as dog:
         dog.beat("step", 0)
         assert not any(t.name == "posttrain-watchdog" for t in threading.enumerate())
     assert HealthConfig(stall_timeout_s=None).stall_timeout_s is None
@@ -90,7 +90,7 @@ EXIT_PATH = textwrap.dedent("""
         time.sleep(60)
 
     out = Path(sys.argv[1])
-    with Watchdog(0.5, Alerts(out / "alerts.jsonl"), out) as dog:
+    with Watchdog(0.5, Alerts(out / "alerts.jsonl")) as dog:
         dog.beat("step", 3)
         wait_in_a_hung_collective()
     print("not reached")
