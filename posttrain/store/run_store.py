@@ -261,25 +261,26 @@ class RunStore:
         os.replace(staging, final)
         return final
 
-    def sync_down(self) -> int | None:
+    def sync_down(self) -> tuple[int, dict[str, Any]] | None:
         """Start of a run on a remote store (the local mirror's main process): small files come down, the
-        newest valid checkpoint is fetched, stale local checkpoints and exports go. Returns the fetched step."""
+        newest valid checkpoint is fetched, stale local checkpoints and exports go. Returns the fetched
+        ``(step, manifest)``, verified: no need to hash it again."""
         self.local.mkdir(parents=True, exist_ok=True)
         self.pull_small_files()
         for name in ("final", "adapter"):
             shutil.rmtree(self.local / name, ignore_errors=True)
         return self.fetch_latest()
 
-    def fetch_latest(self) -> int | None:
+    def fetch_latest(self) -> tuple[int, dict[str, Any]] | None:
         """Fetch the newest valid checkpoint into the mirror (an invalid one is reported and skipped) and drop
-        every other local checkpoint. Returns its step, or None when the store holds none."""
+        every other local checkpoint. Returns its ``(step, manifest)``, or None when the store holds none."""
         fetched = None
         for step in self.checkpoint_steps():
             manifest, problem = self.manifest(step)
             if manifest is not None:
                 try:
                     self.fetch_checkpoint(step, manifest)
-                    fetched = step
+                    fetched = (step, manifest)
                     break
                 except ValueError as exc:
                     problem = str(exc)
@@ -287,7 +288,7 @@ class RunStore:
         root = self.local / CHECKPOINTS
         if root.exists():
             for child in root.iterdir():
-                if fetched is None or child.name != f"step-{fetched:06d}":
+                if fetched is None or child.name != f"step-{fetched[0]:06d}":
                     shutil.rmtree(child, ignore_errors=True)
         return fetched
 

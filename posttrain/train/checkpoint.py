@@ -100,6 +100,11 @@ class CheckpointInfo:
     step: int
     manifest: dict[str, Any]
 
+    @classmethod
+    def at(cls, root: Path, step: int, manifest: dict[str, Any]) -> CheckpointInfo:
+        """Checkpoint ``step`` under ``root`` whose files were already verified against ``manifest``."""
+        return cls(root / f"step-{step:06d}", step, manifest)
+
 
 def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     found = []

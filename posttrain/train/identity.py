@@ -208,11 +208,13 @@ def move_previous_run(output_dir: Path) -> Path | None:
 
 
 def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
-                export_exists: Callable[[str], bool] | None = None) -> ResumePlan:
+                export_exists: Callable[[str], bool] | None = None,
+                latest: Callable[[], CheckpointInfo | None] | None = None) -> ResumePlan:
     """Decide how this run starts (see the module docstring); raises ``ResumeError`` to refuse.
 
-    ``export_exists(name)``: whether the finished run's export is still there (default: in ``output_dir``;
-    a remote run store asks the store, whose export is not mirrored locally)."""
+    A remote run store answers for itself (its files are not all mirrored locally): ``export_exists(name)``,
+    whether the finished run's export is still there, and ``latest()``, the checkpoint it fetched and
+    verified. By default both look in ``output_dir``."""
     if mode == "never":
         moved = move_previous_run(output_dir)
         return ResumePlan(None, None, f"train.resume=never: the previous run was moved to {moved}" if moved else "")
@@ -226,7 +228,7 @@ def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
         _check_data(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
         _warn_changed(finished.get("identity") or {}, identity, f"the finished run in {output_dir}")
         return ResumePlan(None, finished)
-    checkpoint = latest_valid_checkpoint(output_dir / "checkpoints")
+    checkpoint = latest() if latest is not None else latest_valid_checkpoint(output_dir / "checkpoints")
     if checkpoint is None:
         if mode == "must":
             raise ResumeError(f"train.resume=must but {output_dir} holds no valid checkpoint to resume from")

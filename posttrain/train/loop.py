@@ -230,14 +230,14 @@ class _Run:
         right sha256 are not downloaded again."""
         if self.uploader is not None:
             self.uploader.wait()
-        if self.uploader is not None or self.direct is not None:
-            step = self.settings.store.fetch_latest() if dist.is_main() else None
-            step = dist.broadcast_object(step)
-            if step is not None and dist.local_rank() == 0 and not dist.is_main():
-                store = self.settings.store
-                store.fetch_checkpoint(step, store.manifest(step)[0])
-            dist.barrier()
-        return latest_valid_checkpoint(self.root)
+        if self.uploader is None and self.direct is None:
+            return latest_valid_checkpoint(self.root)
+        store = self.settings.store
+        fetched = dist.broadcast_object(store.fetch_latest() if dist.is_main() else None)
+        if fetched is not None and dist.local_rank() == 0 and not dist.is_main():
+            store.fetch_checkpoint(*fetched)
+        dist.barrier()
+        return CheckpointInfo.at(self.root, *fetched) if fetched is not None else None
 
 
 def _remote_checkpoints(settings: LoopSettings) -> tuple[CheckpointUploader | None, DirectSaver | None]:

@@ -38,6 +38,7 @@ from posttrain.models.lora import (
 )
 from posttrain.models.tiny import count_parameters
 from posttrain.store import RunStore
+from posttrain.store.run_store import CHECKPOINTS
 from posttrain.telemetry.trackers import check_trackers
 from posttrain.train.checkpoint import CheckpointInfo, DiskFullError, export_hf, full_model_state_dict
 from posttrain.train.health import Alerts, HealthGuard
@@ -83,13 +84,14 @@ def open_store(config: TrainingRecipe) -> RunStore:
 
 def _plan_on_main(config: TrainingRecipe, store: RunStore, identity: RunIdentity):
     """Rank 0: bring a remote run's state down (or move it aside), decide the resume, write ``config.yaml``."""
-    moved = None
+    moved, fetched = None, None
     if store.remote and config.train.resume == "never":
         moved = store.move_previous()
         store.clear_local()
     elif store.remote:
-        store.sync_down()
-    plan = plan_resume(store.local, identity, config.train.resume, export_exists=store.exists if store.remote else None)
+        fetched = store.sync_down()
+    plan = plan_resume(store.local, identity, config.train.resume, export_exists=store.exists if store.remote else None,
+                       latest=(lambda: CheckpointInfo.at(store.local / CHECKPOINTS, *fetched) if fetched else None) if store.remote else None)
     if moved:
         plan.message = f"train.resume=never: the previous run was moved to {moved}"
     if plan.finished is None:
@@ -134,8 +136,8 @@ def start_run(config: TrainingRecipe) -> Run:
     if store.remote and plan.checkpoint is not None:
         if dist.local_rank() == 0 and not dist.is_main():  # another node: its own disk, its own mirror
             store.fetch_checkpoint(plan.checkpoint.step, plan.checkpoint.manifest)
-        plan.checkpoint = CheckpointInfo(store.local / "checkpoints" / plan.checkpoint.path.name,
-                                         plan.checkpoint.step, plan.checkpoint.manifest)
+        plan.checkpoint = CheckpointInfo.at(store.local / CHECKPOINTS, plan.checkpoint.step,
+                                            plan.checkpoint.manifest)
     dist.barrier()
     where = store.url if store.remote else str(store.local)
     if plan.finished is not None:

@@ -66,7 +66,7 @@ def test_sync_down_fetches_the_newest_valid_checkpoint_and_drops_stale_local_sta
     store = RunStore(url, local_dir=mirror)
     with pytest.warns(UserWarning, match="step-000004: checksum mismatch in __0_0.distcp"):
         fetched = store.sync_down()
-    assert fetched == 2
+    assert fetched is not None and fetched[0] == 2 and fetched[1]["step"] == 2
     assert sorted(p.name for p in (mirror / "checkpoints").iterdir()) == ["step-000002"]
     assert (mirror / "checkpoints/step-000002/__0_0.distcp").read_bytes() == shards(2)["__0_0.distcp"]
     assert (mirror / "metrics.jsonl").read_text() == '{"step": 0}\n'
