@@ -28,7 +28,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from posttrain import dist
 from posttrain.store.run_store import CHECKPOINTS, MANIFEST, RunStore, StoreUnavailable
-from posttrain.store.uploader import LOGS
 from posttrain.train.checkpoint import TRAINER_STATE, _only, build_manifest, rng_state, trainable_keys
 
 
@@ -194,8 +193,7 @@ class DirectSaver:
         if dist.is_main():
             seconds = time.perf_counter() - started
             try:
-                self.store.prune(self.keep_last, step)
-                self.store.push(LOGS)
+                self.store.after_commit(step, self.keep_last)
             except StoreUnavailable as exc:  # the checkpoint is committed; the next save retries the clean-up
                 self.alert("store_retry", what="pruning and uploading logs", error=str(exc)[:300])
             self.alert("checkpoint_uploaded", step=step, seconds=round(seconds, 3), store=self.store.url,

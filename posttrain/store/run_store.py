@@ -29,7 +29,9 @@ from posttrain.data.storage import filesystem, is_remote, protocol_of, sha256_fi
 CHECKPOINTS = "checkpoints"
 MANIFEST = "manifest.json"
 # What comes down at start (small) — the logs continue where the remote ones end, cut to the resume step.
-SMALL_FILES = ("finished.json", "metrics.jsonl", "alerts.jsonl", "units.jsonl", "config.yaml", "eval.json")
+# Logs go up with each committed checkpoint; at start they come down with the other small files.
+LOGS = ("metrics.jsonl", "alerts.jsonl", "units.jsonl", "config.yaml")
+SMALL_FILES = ("finished.json", *LOGS, "eval.json")
 MAX_BACKOFF_S = 30.0
 # Errors that retrying cannot fix (bugs); a missing bucket and bad credentials are reported with the URL.
 PERMANENT = (ImportError, TypeError, AttributeError, KeyError)
@@ -304,6 +306,11 @@ class RunStore:
             if step == committed or (committed_here and step > committed):
                 continue
             self.remove(f"{CHECKPOINTS}/step-{step:06d}")
+
+    def after_commit(self, step: int, keep_last: int) -> None:
+        """Once checkpoint ``step`` is committed (rank 0): prune old checkpoints and upload the logs."""
+        self.prune(keep_last, step)
+        self.push(LOGS)
 
     def move_previous(self) -> str | None:
         """``train.resume=never`` on a remote store: move the previous run under ``previous-<UTC time>/``."""

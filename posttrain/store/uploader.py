@@ -22,9 +22,6 @@ from pathlib import Path
 
 from posttrain.store.run_store import CHECKPOINTS, MANIFEST, RunStore, StoreUnavailable
 
-# Logs that go up with each committed checkpoint (the rest of a run's files go up when it ends).
-LOGS = ("metrics.jsonl", "alerts.jsonl", "units.jsonl", "config.yaml")
-
 
 class CheckpointUploader:
     def __init__(self, store: RunStore, rank: int, world: int, keep_last: int, attempt: str,
@@ -108,6 +105,5 @@ class CheckpointUploader:
         self.store.put_file(local_dir / MANIFEST, f"{base}/{MANIFEST}")
         for rank in range(self.world):
             self.store.remove(self._marker(base, rank))
-        self.store.prune(self.keep_last, step)
-        self.store.push(LOGS)
+        self.store.after_commit(step, self.keep_last)
 
