@@ -44,6 +44,17 @@ def build_bench_model(model_dir: Path, texts: Iterable[str], seed: int = 0) -> P
     )
 
 
+def bench_inputs(args, build: Callable[[Path], tuple[Path, Path]]) -> tuple[Path, Path, Path]:
+    """``(work_dir, model_dir, data_path)``: ``--model`` and ``--data`` when given (both or neither), else what
+    ``build(work_dir)`` builds (and caches) under ``--work-dir``."""
+    if bool(args.model) != bool(args.data):
+        raise SystemExit("give both --model and --data, or neither (then both are built under --work-dir)")
+    work_dir = Path(args.work_dir).resolve()
+    if args.model:
+        return work_dir, Path(args.model).resolve(), Path(args.data).resolve()
+    return work_dir, *build(work_dir)
+
+
 def count_model_parameters(model_dir: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM

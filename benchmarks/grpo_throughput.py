@@ -30,6 +30,7 @@ from pathlib import Path
 from _harness import (
     Child,
     StepGate,
+    bench_inputs,
     build_bench_model,
     child_main,
     count_model_parameters,
@@ -371,13 +372,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child:
         return child_main(args.spec, RUNNERS, args.child)
-    if bool(args.model) != bool(args.data):
-        raise SystemExit("give both --model and --data, or neither (then both are built under --work-dir)")
-    work_dir = Path(args.work_dir).resolve()
-    if args.model:
-        model_dir, data_path = Path(args.model).resolve(), Path(args.data).resolve()
-    else:
-        model_dir, data_path = build_default_inputs(work_dir, args.n_prompts)
+    work_dir, model_dir, data_path = bench_inputs(args, lambda work: build_default_inputs(work, args.n_prompts))
     if args.sft_steps:
         model_dir = sft_warm_start(model_dir, work_dir, args.sft_steps, args.threads)
     records = read_prompts(data_path)

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _harness import Child, count_model_parameters, drive, machine, paired_speed_ratio  # noqa: E402
+from _harness import Child, bench_inputs, count_model_parameters, drive, machine, paired_speed_ratio  # noqa: E402
 from sft_throughput import add_run_arguments, build_default_inputs, combine, describe_figures, tokenized_chats  # noqa: E402 - the SFT children
 
 RUNS = {"posttrain_full": ("posttrain", False), "posttrain_lora": ("posttrain", True), "trl_lora": ("trl", True)}
@@ -59,13 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(names) - RUNS.keys()
     if unknown:
         raise SystemExit(f"--runs: unknown {sorted(unknown)}; choose from {', '.join(RUNS)}")
-    work_dir = Path(args.work_dir).resolve()
-    if bool(args.model) != bool(args.data):
-        raise SystemExit("give both --model and --data, or neither (then both are built under --work-dir)")
-    if args.model:
-        model_dir, data_path = Path(args.model).resolve(), Path(args.data).resolve()
-    else:
-        model_dir, data_path = build_default_inputs(work_dir, args.chats)
+    work_dir, model_dir, data_path = bench_inputs(args, lambda work: build_default_inputs(work, args.chats))
     examples, _ = tokenized_chats(str(model_dir), str(data_path), args.max_length)
     targets = args.target_modules if args.target_modules == "all-linear" else args.target_modules.split(",")
     lora = {"r": args.rank, "alpha": args.alpha, "dropout": 0.0, "target_modules": targets}

@@ -28,6 +28,7 @@ from pathlib import Path
 from _harness import (
     Child,
     StepGate,
+    bench_inputs,
     build_bench_model,
     child_main,
     count_model_parameters,
@@ -289,13 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     for mode in ac_modes:
         if mode not in ("none", "full", "selective"):
             raise SystemExit(f"--ac: unknown mode {mode!r}; choose from none, full, selective")
-    work_dir = Path(args.work_dir).resolve()
-    if bool(args.model) != bool(args.data):
-        raise SystemExit("give both --model and --data, or neither (then both are built under --work-dir)")
-    if args.model:
-        model_dir, data_path = Path(args.model).resolve(), Path(args.data).resolve()
-    else:
-        model_dir, data_path = build_default_inputs(work_dir, args.chats)
+    work_dir, model_dir, data_path = bench_inputs(args, lambda work: build_default_inputs(work, args.chats))
     examples, _ = tokenized_chats(str(model_dir), str(data_path), args.max_length)
     spec = {
         "model": str(model_dir), "data": str(data_path), "batch_size": args.batch_size, "max_length": args.max_length,

@@ -171,6 +171,18 @@ def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
         raise error from None
 
 
+def iter_text_lines(path: str) -> Iterator[tuple[int, str]]:
+    """``(line_number, text)`` of each non-blank line of a plain-text file (``iter_lines`` decoded); a line
+    that is not UTF-8 raises ``DataError`` naming file, line and byte."""
+    for number, data in iter_lines(path):
+        try:
+            line = data.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise DataError(path, number, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
+        if line.strip():
+            yield number, line
+
+
 def _read_all(path: str, size: int = -1) -> bytes:
     """The (decompressed) bytes of a file, or its first ``size``; ``DataError`` for a damaged compressed file."""
     try:

@@ -112,17 +112,9 @@ def read_prompts(path: str | Path) -> list[tuple[str, str | list[Message]]]:
 
 def _text_prompts(path: str) -> list[tuple[str, str]]:
     """One raw prompt per non-blank line, its id the line number."""
-    from posttrain.data.io import iter_lines
+    from posttrain.data.io import iter_text_lines
 
-    prompts = []
-    for number, data in iter_lines(path):
-        try:
-            line = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(path, number, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
-        if line.strip():
-            prompts.append((str(number), line))
-    return prompts
+    return [(str(number), line) for number, line in iter_text_lines(path)]
 
 
 def _generate(args: argparse.Namespace) -> int:

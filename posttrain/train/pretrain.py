@@ -11,7 +11,7 @@ from pathlib import Path
 from posttrain import dist
 from posttrain.config.recipes import PretrainRecipe
 from posttrain.data.errors import DataError
-from posttrain.data.io import iter_jsonl, iter_lines
+from posttrain.data.io import iter_jsonl, iter_text_lines
 from posttrain.data.packing import pack_examples
 from posttrain.data.records import stable_id
 from posttrain.data.shards import read_shards
@@ -39,13 +39,7 @@ def _read_text_file(path: str) -> list[str]:
                 raise DataError(path, line_no, "text", "expected a string field `text`")
             texts.append(record["text"])
     else:
-        for line_no, data in iter_lines(path):
-            try:
-                line = data.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise DataError(path, line_no, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
-            if line.strip():
-                texts.append(line)
+        texts.extend(line for _, line in iter_text_lines(path))
     return texts
 
 
