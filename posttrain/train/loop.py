@@ -255,11 +255,15 @@ def _remote_checkpoints(settings: LoopSettings) -> tuple[CheckpointUploader | No
     return CheckpointUploader(store, dist.rank(), dist.world_size(), settings.keep_last, settings.attempt, alert), None
 
 
-def _stop_requests(preemption: Preemption, run: _Run) -> tuple[bool, bool]:
-    """(preempted, store down) as every rank agrees: one small all-reduce per step."""
-    flags = torch.tensor([1.0 if preemption.requested else 0.0, 1.0 if run.store_down() else 0.0])
-    preempted, down = dist.all_reduce_sum(flags).tolist()
-    return preempted > 0, down > 0
+def _stop_requests(preemption: Preemption, run: _Run, sink: MetricsSink) -> tuple[bool, bool]:
+    """(preempted, store down) as every rank agrees, and every rank's heartbeat for the metrics: one small
+    all-reduce per step carries all three."""
+    flags = torch.zeros(2 + dist.world_size(), dtype=torch.float64)
+    flags[0], flags[1] = float(preemption.requested), float(run.store_down())
+    flags[2 + dist.rank()] = sink.finished_at
+    dist.all_reduce_sum(flags)
+    sink.heartbeats(flags[2:].tolist())
+    return bool(flags[0] > 0), bool(flags[1] > 0)
 
 
 def _stop_for_store(run: _Run, sink: MetricsSink) -> int:
@@ -403,7 +407,7 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                 run.save()
             if settings.crash_at_step == step:
                 os.kill(os.getpid(), signal.SIGKILL)  # node-loss drill (debug.crash_at_step)
-            preempted, store_down = _stop_requests(preemption, run)
+            preempted, store_down = _stop_requests(preemption, run, sink)
             if store_down:
                 return _stop_for_store(run, sink)
             if preempted:

@@ -91,9 +91,10 @@ class MetricsSink:
         self.bar = None
         self.last_loss: float | None = None
         self.pending: dict[str, float] = {}  # fields for the next step record (the last checkpoint's save time)
-        # Known on every rank (the config is), so every rank joins the heartbeat collective or none does.
-        self.heartbeats = telemetry.prometheus_port is not None
+        # Known on every rank (the config is), so every rank joins the latency probe or none does.
+        self.probing = telemetry.prometheus_port is not None
         self.probe_every = telemetry.allreduce_probe_every
+        self.finished_at = time.time()  # this rank's heartbeat: when its last step ended
         self.linger_s = telemetry.prometheus_linger_s
         if not self.enabled:
             return
@@ -138,25 +139,29 @@ class MetricsSink:
             self.bar.update(1)
 
     def step_finished(self, next_step: int, updates: Sequence[Any] = ()) -> None:
-        """After every step, on every rank: the step counter, skipped and non-finite updates (``updates``: the
-        step's ``UpdateResult``s), each rank's heartbeat (a small all-reduce of finish times) and, every
-        ``metrics.allreduce_probe_every`` steps, a timed all-reduce. Nothing when the exporter is off."""
-        if not self.heartbeats:
+        """After every step, on every rank: the heartbeat time, the step counter, skipped and non-finite updates
+        (``updates``: the step's ``UpdateResult``s) and, every ``metrics.allreduce_probe_every`` steps, a timed
+        all-reduce (after a barrier, so it times the collective alone). The heartbeats themselves travel in the
+        loop's per-step all-reduce (``heartbeats``)."""
+        self.finished_at = time.time()
+        if not self.probing:
             return
-        times = torch.zeros(dist.world_size(), dtype=torch.float64)
-        times[dist.rank()] = time.time()
-        dist.all_reduce_sum(times)  # also lines the ranks up, so the probe below times the collective alone
         latency = None
         if dist.initialized() and next_step % self.probe_every == 0:
+            dist.barrier()
             probe = torch.ones(1024, dtype=torch.float32)
             started = time.perf_counter()
             dist.all_reduce_sum(probe)
             latency = time.perf_counter() - started
         if self.exporter is not None:
             self.exporter.step_finished(next_step, [(u.loss, u.grad_norm, u.ok) for u in updates])
-            self.exporter.heartbeats(times.tolist())
             if latency is not None:
                 self.exporter.allreduce.set(latency)
+
+    def heartbeats(self, times: list[float]) -> None:
+        """Every rank's last step end, as the loop's per-step all-reduce gathered them (rank 0 exports them)."""
+        if self.exporter is not None:
+            self.exporter.heartbeats(times)
 
     def checkpoint_committed(self, step: int, save_s: float, committed_at: float | None = None) -> None:
         """A checkpoint of ``step`` is committed (``save_s``: how long saving it took): exported, and
