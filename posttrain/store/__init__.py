@@ -15,6 +15,6 @@ under ``$XDG_CACHE_HOME/posttrain/runs/``) and the remote store is the truth:
   ``finished.json`` (last) when the run ends.
 """
 
-from posttrain.store.run_store import RunStore, StoreUnavailable, is_remote
+from posttrain.store.run_store import RunStore, StoreUnavailable
 
-__all__ = ["RunStore", "StoreUnavailable", "is_remote"]
+__all__ = ["RunStore", "StoreUnavailable"]

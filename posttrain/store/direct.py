@@ -24,10 +24,11 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from posttrain import dist
-from posttrain.store.run_store import CHECKPOINTS, MANIFEST, RunStore, StoreUnavailable
+from posttrain.store.run_store import CHECKPOINTS, MANIFEST, MAX_BACKOFF_S, RunStore, StoreUnavailable
 from posttrain.train.checkpoint import TRAINER_STATE, _only, build_manifest, rng_state, trainable_keys
 
 
@@ -117,42 +118,63 @@ def save_direct(store: RunStore, step: int, model: torch.nn.Module, optimizer: t
     else why not (a file that did not reach the store in full: no manifest was written). A store that stays
     down raises ``StoreUnavailable`` on every rank."""
     base = f"{CHECKPOINTS}/step-{step:06d}"
-    failure = ""
-    if dist.is_main():
-        failure = _guard(lambda: store.remove(f"{base}/{MANIFEST}"))  # an old commit must not cover new files
+    # A store outage on one rank must reach every rank through the collectives below, not leave them waiting.
+    outage = _outage(lambda: store.remove(f"{base}/{MANIFEST}")) if dist.is_main() else None  # no old commit
     trainable = trainable_keys(model)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    writer = VerifiedFsspecWriter(store.fs, store.path(base))
-    dcp.save({"model": _only(model_sd, trainable), "optim": optim_sd}, storage_writer=writer,
-             no_dist=not dist.initialized())
+    writer = _dcp_save_with_retries(store, base, {"model": _only(model_sd, trainable), "optim": optim_sd})
     mine = dict(writer.written)
     blobs = {f"rng-rank{dist.rank()}.pt": _torch_bytes(rng_state())}
     if dist.is_main():
         blobs[TRAINER_STATE] = json.dumps(trainer_state, sort_keys=True).encode()
     for name, data in blobs.items():
-        failure = failure or _guard(lambda name=name, data=data: store.write_bytes(f"{base}/{name}", data))
+        outage = outage or _outage(lambda name=name, data=data: store.write_bytes(f"{base}/{name}", data))
         mine[name] = (hashlib.sha256(data).hexdigest(), len(data))
-    everyone = dist.gather_objects((mine, failure))
-    outcome = next((f for _, f in everyone if f), "")
-    if dist.is_main() and not outcome:
+    everyone = dist.gather_objects((mine, outage))
+    outage = next((failure for _, failure in everyone if failure is not None), None)
+    problem = ""
+    if dist.is_main() and outage is None:
         merged = {name: entry for files, _ in everyone for name, entry in files.items()}
-        outcome = _guard(lambda: _verify_and_commit(store, base, step, identity, merged, trainable))
-    outcome = dist.broadcast_object(outcome)
-    if outcome.startswith(_DOWN):
-        raise StoreUnavailable(outcome.removeprefix(_DOWN))
-    return outcome
+        try:
+            problem = _verify_and_commit(store, base, step, identity, merged, trainable)
+        except StoreUnavailable as exc:
+            outage = exc
+    problem, outage = dist.broadcast_object((problem, outage))
+    if outage is not None:
+        raise outage
+    return problem
 
 
-_DOWN = "store unavailable: "
+def _dcp_save_with_retries(store: RunStore, base: str, state: dict[str, Any]) -> VerifiedFsspecWriter:
+    """``dcp.save`` into the store, the whole save retried with backoff while the store fails (DCP's own writes
+    do not go through ``RunStore.call``), up to ``store.max_outage_s``. DCP raises a failure on every rank, and
+    rank 0 decides whether to try again, so every rank does the same."""
+    started, delay = time.monotonic(), store.backoff_s
+    while True:
+        writer = VerifiedFsspecWriter(store.fs, store.path(base))
+        try:
+            dcp.save(state, storage_writer=writer, no_dist=not dist.initialized())
+            return writer
+        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - DCP wraps the writers' errors
+            failure = exc
+        give_up = dist.broadcast_object(time.monotonic() - started + delay > store.max_outage_s)
+        if give_up:
+            raise StoreUnavailable(f"writing checkpoint {base} to {store.url} kept failing for "
+                                   f"{time.monotonic() - started:.0f} s (store.max_outage_s={store.max_outage_s:g}): "
+                                   f"{str(failure)[:300]}") from failure
+        if store.on_retry is not None:
+            store.on_retry(f"writing {base}", failure)
+        time.sleep(delay)
+        delay = min(delay * 2, MAX_BACKOFF_S)
 
 
-def _guard(action) -> str:
-    """Run ``action``; ``""`` when it worked, else the reason (prefixed when the store is down), so that every
-    rank learns of one rank's failure through a collective instead of waiting for it."""
+def _outage(action) -> StoreUnavailable | None:
+    """Run ``action``; the ``StoreUnavailable`` it raised, or None."""
     try:
-        return action() or ""
+        action()
     except StoreUnavailable as exc:
-        return _DOWN + str(exc)
+        return exc
+    return None
 
 
 def _verify_and_commit(store: RunStore, base: str, step: int, identity: dict[str, Any],

@@ -30,8 +30,6 @@ class CheckpointUploader:
         self.alert, self.on_commit = alert, on_commit
         self._thread: threading.Thread | None = None
         self.failure: BaseException | None = None
-        self.committed_step: int | None = None
-        self.in_flight: int | None = None
 
     @property
     def down(self) -> bool:
@@ -45,7 +43,6 @@ class CheckpointUploader:
         waited = self.wait()
         if self.down:
             return waited
-        self.in_flight = step
         self._thread = threading.Thread(target=self._upload, args=(step, local_dir, files, local_s),
                                         name=f"posttrain-upload-{step}", daemon=True)
         self._thread.start()
@@ -73,7 +70,6 @@ class CheckpointUploader:
             if self.rank == 0:
                 self._commit(step, base, local_dir)
                 seconds = time.perf_counter() - t0
-                self.committed_step = step
                 if self.on_commit is not None:
                     self.on_commit(step, local_s + seconds, time.time())
                 self.alert("checkpoint_uploaded", step=step, seconds=round(seconds, 3), store=self.store.url,
@@ -85,8 +81,6 @@ class CheckpointUploader:
                        "checkpoint stays the newest valid one; stopping with exit 75 (rerun to resume)")
         except BaseException as exc:  # noqa: BLE001 - handed to the loop, which re-raises it (wait)
             self.failure = exc
-        finally:
-            self.in_flight = None
 
     def _marker(self, base: str, rank: int) -> str:
         return f"{base}/.uploaded-rank{rank}-{self.attempt}"

@@ -219,3 +219,18 @@ def test_quarantine_goes_up_with_the_run_and_resume_never_moves_the_store_run_as
     assert len(previous) == 1
     assert store.read_bytes(f"{previous[0]}/finished.json") is not None
     assert store.read_bytes("finished.json") is not None  # the new run finished too
+
+
+def test_direct_mode_stops_with_75_when_the_store_stays_down(tiny_model_dir, sft_data, s3_bucket, s3_endpoint,
+                                                              tmp_path):
+    url = f"{s3_bucket}/run"
+    overrides = base_overrides(tiny_model_dir, sft_data, url, **{
+        "train.save_every": 2, "store.local_dir": tmp_path / "mirror", "store.upload": "direct",
+        "store.backoff_s": 0.2, "store.max_outage_s": 2})
+    with FaultyProxy(s3_endpoint) as proxy:
+        proxy.rules = [["PUT", "step-000004/", ("status", 503), None]]
+        result = run_sft(overrides, proxy.endpoint)
+    assert result.returncode == 75, result.stderr[-2000:]
+    assert "store.max_outage_s" in result.stderr
+    store = RunStore(url)
+    assert store.manifest(2)[0] is not None and store.manifest(4)[0] is None
