@@ -163,6 +163,31 @@ class JudgeConfig(StrictModel):
         return self
 
 
+class ModelJudgeConfig(StrictModel):
+    """A trained model as judge (``posttrain.curate.model_judge``): each record's response is scored by a
+    model, and records that are outliers *below* the pool's own score distribution are dropped."""
+
+    enabled: bool = False
+    kind: Literal["likelihood", "reward_model"] = Field(
+        default="likelihood",
+        description="likelihood: mean token log-prob of the response under a causal LM (e.g. the last round's "
+        "policy); reward_model: a `posttrain rm` model's reward.",
+    )
+    model: str | None = Field(default=None, description="The judge model: a local HF directory.")
+    max_z: float = Field(
+        default=3.0, gt=0, description="Drop a record whose robust z-score (median/MAD of the pool) is below -max_z."
+    )
+    min_records: int = Field(default=50, ge=3, description="Fewer scored records than this: no statistics, keep all.")
+    batch_size: int = Field(default=32, ge=1)
+    max_length: int = Field(default=512, ge=8, description="Prompt + response tokens; the prompt is cut from the left.")
+
+    @model_validator(mode="after")
+    def _check(self) -> ModelJudgeConfig:
+        if self.enabled and not self.model:
+            raise ValueError("model_judge.enabled needs model_judge.model: a local model directory")
+        return self
+
+
 DEFAULT_INTENT_EXAMPLES: dict[str, list[str]] = {
     "question_answering": [
         "What is the capital of France?",
@@ -270,6 +295,7 @@ class CurateRecipe(StrictModel):
     embedding: EmbeddingConfig = Field(default_factory=EmbeddingConfig)
     verify: VerifyConfig = Field(default_factory=VerifyConfig)
     judge: JudgeConfig = Field(default_factory=JudgeConfig)
+    model_judge: ModelJudgeConfig = Field(default_factory=ModelJudgeConfig)
     intent: IntentConfig = Field(default_factory=IntentConfig)
     difficulty: DifficultyConfig = Field(default_factory=DifficultyConfig)
     progress: bool = Field(default=True, description="Show progress bars.")

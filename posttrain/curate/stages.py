@@ -1,8 +1,8 @@
 """The stage list, how it splits into segments, and the per-shard work a worker does.
 
 Stages run in this order: normalize, filters, exact_dedup, near_dedup, semantic_dedup, verify,
-judge, intent, difficulty. *Row stages* decide each record alone (``apply(rows) -> [Drop | None]``).
-*Global stages* (the dedups) need every record: a worker computes compact ``features(rows)`` and
+judge, model_judge, intent, difficulty. *Row stages* decide each record alone (``apply(rows) -> [Drop | None]``).
+*Global stages* (the dedups, and the model judge's outlier test) need every record: a worker computes compact ``features(rows)`` and
 the parent ``decide``s. So the list is cut into *segments* at each run of global stages: a worker
 runs a segment's row stages on one shard, computes the features of the global stages that follow,
 and writes the survivors to a file; the parent decides; the next segment starts by applying those
@@ -41,11 +41,12 @@ STAGE_MODULES = {
     "semantic_dedup": "posttrain.curate.dedup",
     "verify": "posttrain.curate.verify",
     "judge": "posttrain.curate.judge",
+    "model_judge": "posttrain.curate.model_judge",
     "intent": "posttrain.curate.intent",
     "difficulty": "posttrain.curate.difficulty",
 }
 STAGE_ORDER = tuple(STAGE_MODULES)
-GLOBAL_STAGES = ("exact_dedup", "near_dedup", "semantic_dedup")
+GLOBAL_STAGES = ("exact_dedup", "near_dedup", "semantic_dedup", "model_judge")
 MODEL_STAGES = ("judge", "intent", "difficulty")  # may load models; see Segment.runs_models
 
 

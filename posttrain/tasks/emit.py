@@ -91,8 +91,12 @@ def eval_problems(
     seed: int,
     group_scale: dict[str, float] | None = None,
     tiers: tuple[int, ...] = TIERS,
+    split: str = "eval",
 ) -> list[Problem]:
-    """Distinct eval-split problems: ``round(n_per_cell * group_scale[group])`` per (group, tier) cell.
+    """Distinct problems of ``split``: ``round(n_per_cell * group_scale[group])`` per (group, tier) cell.
+
+    ``split="train"`` draws a *dev* suite — traffic the flywheel's models meet in use, whose failures
+    feed the next round — which never shares a problem with the held-out eval split.
 
     A cell's items are split evenly between its families. Each family draws from its own seeded
     stream, so the suite for a seed is the same on every machine, and a larger ``n_per_cell``
@@ -113,8 +117,8 @@ def eval_problems(
             cell_families = families_in(group, tier)
             shares = allocate(cell_size, {family.name: 1.0 for family in cell_families})
             for family in cell_families:
-                rng = random.Random(f"{seed}:eval:{family.name}")
-                problems.extend(draw_problems(family, shares[family.name], "eval", rng, unique=True))
+                rng = random.Random(f"{seed}:{split}:{family.name}")
+                problems.extend(draw_problems(family, shares[family.name], split, rng, unique=True))
     return problems
 
 

@@ -15,6 +15,12 @@ planted record names its kind in ``meta["planted"]`` (clean records have ``None`
 - ``empty``: an empty or whitespace-only response.
 - ``truncated``: the reference answer cut short (whole lines, else whole words, else characters).
 - ``wrong_answer``: a plausible wrong answer that fails the task's verifier.
+- ``off_topic``: a fluent, well-formed answer to a *different* problem (0 by default).
+
+``unkeyed_share`` > 0 withholds the answer key from that share of the records (any kind), as most
+user data comes without one: a verifier stage cannot check them, so a fluent wrong or off-topic
+answer among them passes every rule and only a model judge can tell (``posttrain.curate.model_judge``).
+Their key moves to ``meta["withheld_key"]`` so tests can still grade what curation kept.
 
 Every record carries the answer key in ``meta`` (``answer``, ``verifier``, ``verifier_options``,
 ``group``, ``tier``, ``family``, ``task_prompt``) so a verifier stage can check responses, exactly
@@ -34,7 +40,7 @@ from typing import Any
 from posttrain.tasks.problem import TASK_FAMILIES, Problem, allocate, sample_problems
 from posttrain.tasks.words import WORDS, join_with_and
 
-NOISE_KINDS = ("exact_duplicate", "near_duplicate", "garbled", "empty", "truncated", "wrong_answer")
+NOISE_KINDS = ("exact_duplicate", "near_duplicate", "garbled", "empty", "truncated", "wrong_answer", "off_topic")
 
 # Instruction preambles. Each starts with a word from its own synonym set so a near-duplicate can
 # change that first word (a one-word edit at the edge touches a single 5-word shingle).
@@ -47,6 +53,7 @@ PREAMBLES: tuple[tuple[tuple[str, ...], str], ...] = (
     (("Simply", "Just"), "do what the next line asks and answer it in as few words as possible."),
 )
 _LEAD_INS = ("Okay,", "Alright,", "Well,", "So,")
+_ANSWER_KEY = ("answer", "verifier", "verifier_options")
 
 
 @dataclass(frozen=True)
@@ -59,6 +66,7 @@ class NoiseMix:
     empty: float = 0.04
     truncated: float = 0.05
     wrong_answer: float = 0.10
+    off_topic: float = 0.0
 
     def __post_init__(self) -> None:
         for kind, share in asdict(self).items():
@@ -147,7 +155,7 @@ def _distinct_train_problems(count: int, seed: int) -> list[Problem]:
 
 
 def raw_pool(
-    n: int, seed: int, noise: NoiseMix | None = None, preamble_share: float = 1.0
+    n: int, seed: int, noise: NoiseMix | None = None, preamble_share: float = 1.0, unkeyed_share: float = 0.0
 ) -> list[dict[str, Any]]:
     """``n`` raw records (train split only), a ``noise`` share of them planted; shuffled, ids ``raw-000000``…
 
@@ -156,8 +164,9 @@ def raw_pool(
     task prompt (as users phrase them); planted records and near-duplicate sources keep the preamble,
     which is what makes a one-word edit a near-duplicate under 5-word shingles.
     """
-    if not 0.0 <= preamble_share <= 1.0:
-        raise ValueError(f"preamble_share must be in [0, 1], got {preamble_share}")
+    for name, share in (("preamble_share", preamble_share), ("unkeyed_share", unkeyed_share)):
+        if not 0.0 <= share <= 1.0:
+            raise ValueError(f"{name} must be in [0, 1], got {share}")
     noise = noise or NoiseMix()
     counts = noise.counts(n)
     rng = random.Random(f"{seed}:raw_pool")
@@ -182,6 +191,13 @@ def raw_pool(
     clean = [take("clean") for _ in range(counts["clean"])]
     records += clean
     records += [take(kind) for kind in ("garbled", "empty", "wrong_answer") for _ in range(counts[kind])]
+    for _ in range(counts.get("off_topic", 0)):
+        record = take("clean")
+        # A fluent answer to a train problem of another family (one not used elsewhere in the pool).
+        other = next(p for p in pending if p.family != record["meta"]["family"])
+        record["response"] = other.answer
+        record["meta"]["planted"] = "off_topic"
+        records.append(record)
     if (counts["exact_duplicate"] or counts["near_duplicate"]) and not clean:
         raise ValueError("raw_pool: duplicates need clean records to copy; lower the noise shares or raise n")
     with_preamble = [r for r in clean if r["prompt"] != r["meta"]["task_prompt"]]
@@ -193,6 +209,10 @@ def raw_pool(
     records = _shuffle_sources_first(records, rng)
     for position, record in enumerate(records):
         record["id"] = f"raw-{position:06d}"
+    if unkeyed_share:  # drawn last so a pool without it stays what it always was
+        for record in records:
+            if rng.random() < unkeyed_share:
+                record["meta"]["withheld_key"] = {k: record["meta"].pop(k) for k in _ANSWER_KEY}
     final_id_of = {id(r): r["id"] for r in records}
     for record in records:  # duplicates point at their original by its final id
         source = record["meta"].pop("_source", None)

@@ -47,7 +47,7 @@ def test_pool_is_deterministic_and_ids_are_unique(pool):
 def test_planted_kinds_come_in_the_stated_proportions(pool):
     mix = tasks.NoiseMix()
     counts = Counter(_kind(r) or "clean" for r in pool)
-    assert counts == mix.counts(POOL_SIZE)
+    assert counts == Counter(mix.counts(POOL_SIZE))
     for kind in tasks.NOISE_KINDS:
         assert abs(counts[kind] / POOL_SIZE - getattr(mix, kind)) <= 1 / POOL_SIZE, kind
     assert sum(counts.values()) == POOL_SIZE
@@ -171,3 +171,20 @@ def test_preamble_share_leaves_clean_records_bare_and_keeps_near_duplicates_near
     assert near and all(jaccard(r["prompt"], by_id[r["meta"]["duplicate_of"]]["prompt"]) >= 0.8 for r in near)
     with pytest.raises(ValueError, match="preamble_share"):
         tasks.raw_pool(10, seed=1, preamble_share=1.5)
+
+
+def test_off_topic_and_unkeyed_records_are_planted_as_asked(verify):
+    mix = tasks.NoiseMix(wrong_answer=0.1, off_topic=0.1)
+    pool = tasks.raw_pool(300, seed=5, noise=mix, unkeyed_share=0.5)
+    counts = Counter(_kind(r) or "clean" for r in pool)
+    assert counts["off_topic"] == 30 and counts["wrong_answer"] == 30
+    unkeyed = [r for r in pool if "withheld_key" in r["meta"]]
+    assert 100 < len(unkeyed) < 200  # about half, drawn at random
+    for record in unkeyed:
+        assert "answer" not in record["meta"] and "verifier" not in record["meta"]
+    for record in pool:
+        if _kind(record) == "off_topic":
+            key = record["meta"].get("withheld_key") or record["meta"]
+            assert record["response"] != key["answer"]
+    # Without the new options the pool is what it always was.
+    assert tasks.raw_pool(300, seed=5) == tasks.raw_pool(300, seed=5, unkeyed_share=0.0)
