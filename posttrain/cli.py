@@ -60,6 +60,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.k8s.options", "RenderError"),
     ("posttrain.data.storage", "StorageUnavailable"),
     ("posttrain.telemetry.trackers", "TrackerUnavailable"),
+    ("posttrain.serve.db", "FeedbackDBError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.data.records import stable_id
-from posttrain.serve.db import FeedbackDB, canonical_json
+from posttrain.serve.db import FeedbackDB, FeedbackDBError, canonical_json
 
 EXPORT_FORMAT = "posttrain.feedback-export/1"
 
@@ -48,7 +48,7 @@ def parse_until(until: str | None) -> tuple[int | None, str | None]:
     try:
         moment = datetime.fromisoformat(until)
     except ValueError:
-        raise ValueError(f"--until {until!r}: give a vote id (e.g. 120) or an ISO time (e.g. 2025-01-31T12:00:00Z)") from None
+        raise FeedbackDBError(f"--until {until!r}: give a vote id (e.g. 120) or an ISO time (e.g. 2025-01-31T12:00:00Z)") from None
     if moment.tzinfo is None:
         moment = moment.replace(tzinfo=UTC)
     return None, moment.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
@@ -127,7 +127,7 @@ def export_feedback(db: FeedbackDB, out_dir: str | Path, min_votes: int = 1, unt
     from posttrain.data.io import write_jsonl
 
     if min_votes < 1:
-        raise ValueError(f"--min-votes must be at least 1 (got {min_votes})")
+        raise FeedbackDBError(f"--min-votes must be at least 1 (got {min_votes})")
     until_id, until_time = parse_until(until)
     log = db.vote_log(until_id, until_time)
     log_hash = hashlib.sha256("\n".join(canonical_json(v) for v in log).encode("utf-8")).hexdigest()
