@@ -4,9 +4,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-EXTRAS := dev,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora,s3,prometheus,nvml,wandb,mlflow
+EXTRAS := dev,serve,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora,s3,prometheus,nvml,wandb,mlflow
 
-.PHONY: demo test lint bench clean chromium bubblewrap promtool
+.PHONY: demo test lint bench clean chromium bubblewrap promtool postgresql
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -16,9 +16,13 @@ $(BIN)/.installed: pyproject.toml constraints.txt
 demo: $(BIN)/.installed
 	$(BIN)/python -m posttrain quickstart
 
-# Browser tests open the HTML report in Debian's headless Chromium.
+# Browser tests open the HTML report in Debian's headless Chromium (the feedback pages through chromedriver).
 chromium:
-	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null)
+	@(command -v chromium && command -v chromedriver) >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null)
+
+# The feedback service's tests start a throwaway PostgreSQL server (Debian's postgresql binaries, initdb in a temp dir).
+postgresql:
+	@ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq postgresql >/dev/null)
 
 # The code verifier's sandbox is Debian's bubblewrap (bwrap); its tests need it.
 bubblewrap:
@@ -29,7 +33,7 @@ promtool:
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
 
 # Two pytest workers (CI has 2 cores; every test process runs torch on one thread, tests/conftest.py).
-test: $(BIN)/.installed chromium bubblewrap promtool
+test: $(BIN)/.installed chromium bubblewrap promtool postgresql
 	$(BIN)/python -m pytest -q -n 2 tests
 
 lint: $(BIN)/.installed

@@ -35,7 +35,11 @@ _COMMAND_MODULES = (
     "posttrain.commands.k8s",
     "posttrain.generate.cli",
     "posttrain.eval.cli",
+    "posttrain.serve.cli",
 )
+# Tool actions under a recipe's name: `posttrain feedback export …` beside the recipe `posttrain feedback --config …`
+# (a recipe parser takes free `key=value` words, so these are dispatched before argparse sees them).
+RECIPE_ACTIONS = {("feedback", "export"): ("posttrain.serve.cli", "run_export", "export the feedback service's votes")}
 
 # Raised for bad config or bad input; each message says what is wrong and how to fix it. Named by module so
 # that recognising them imports nothing: a class whose module was never loaded cannot have been raised.
@@ -56,6 +60,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.k8s.options", "RenderError"),
     ("posttrain.data.storage", "StorageUnavailable"),
     ("posttrain.telemetry.trackers", "TrackerUnavailable"),
+    ("posttrain.serve.db", "FeedbackDBError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))
@@ -82,11 +87,13 @@ def _add_recipe_commands(subparsers: argparse._SubParsersAction) -> None:
 
     load_builtin_recipes()
     for name, spec in RECIPES.items():
+        actions = "".join(f"\n       posttrain {name} {action} ... ({what}; see `posttrain {name} {action} --help`)"
+                          for (recipe, action), (_, _, what) in RECIPE_ACTIONS.items() if recipe == name)
         parser = subparsers.add_parser(
             name,
             help=spec.summary,
             description=f"{spec.summary}\n\nRun the `{name}` recipe: "
-            f"posttrain {name} --config FILE_OR_NAME [key=value ...]",
+            f"posttrain {name} --config FILE_OR_NAME [key=value ...]" + (f"\nAlso: {actions.strip()}" if actions else ""),
             epilog=format_config_keys(spec.schema),
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
@@ -167,6 +174,13 @@ def main(argv: list[str] | None = None) -> int:
         from posttrain.commands.launch import launch
 
         return launch(argv[1:])
+    debug = argv[:1] == ["--debug"]
+    if tuple(argv[debug : debug + 2]) in RECIPE_ACTIONS:
+        module_name, function, _ = RECIPE_ACTIONS[tuple(argv[debug : debug + 2])]  # type: ignore[index]
+        try:
+            return int(getattr(importlib.import_module(module_name), function)(argv[debug + 2 :]) or 0)
+        except Exception as exc:  # noqa: BLE001 - the same one-line failures as every other command
+            return report_failure(exc, debug)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
