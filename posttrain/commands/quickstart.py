@@ -28,6 +28,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--rl", action="store_true",
                         help="also run the GRPO stage after DPO (verifier reward on the reasoning prompts), evaluate "
                         "it and add it to the report (about 4 more minutes on 2 cores)")
+    parser.add_argument("--rounds", type=int, metavar="N",
+                        help="turn the flywheel N times (default 1): round k+1 starts from round k's model and learns "
+                        "from its dev-suite failures, captured and annotated through the feedback service "
+                        "(about 6 more minutes per round on 2 cores)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.set_defaults(func=_quickstart)
 
@@ -39,4 +43,5 @@ def _quickstart(args: argparse.Namespace) -> int:
 
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     overrides += ["grpo.enabled=true"] if args.rl else []
+    overrides += [f"rounds={args.rounds}"] if args.rounds else []
     return run_flywheel(load_config(FlywheelRecipe, args.config, overrides))

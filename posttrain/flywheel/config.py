@@ -1,10 +1,16 @@
-"""The ``flywheel`` recipe: one round of curate → SFT → rejection sampling → DPO (→ GRPO) → eval → report."""
+"""The ``flywheel`` recipe: rounds of curate → SFT → rejection sampling → DPO (→ GRPO) → eval → report.
+
+Round 1 runs on the data of ``data`` (the built-in pool, or the user's files) from ``base``. With
+``rounds: N`` > 1, each later round starts from the previous round's final model, captures that
+model's failures on a dev suite through the feedback service, answers them by sampling, has a
+scripted annotator judge them with reasons, exports them with lineage and merges them into the
+round's own curated SFT and preference sets (``feedback``, ``next_round``)."""
 
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from posttrain.config.loader import StrictModel
 from posttrain.config.registry import register_recipe
@@ -18,26 +24,55 @@ class StageRecipe(StrictModel):
 
 
 class BaseModelSpec(StrictModel):
-    """The demo's base model: a tiny Llama pretrained here on plain task text (no hub is reachable)."""
+    """The base model: ``model`` (the user's HF model directory), or by default a tiny Llama pretrained
+    here on plain task text (no hub is reachable)."""
 
+    model: str | None = Field(default=None, description="Base model directory (HF format); skips pretraining.")
     hidden_size: int = 128
     layers: int = 4
     heads: int = 4
     kv_heads: int = 4
     vocab_size: int = 1024
     corpus_documents: int = 3000
-    pretrain: StageRecipe
+    pretrain: StageRecipe | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> BaseModelSpec:
+        if self.model is None and self.pretrain is None:
+            raise ValueError("base needs either model (a model directory) or pretrain (a recipe to pretrain one)")
+        return self
 
 
 class DataSpec(StrictModel):
-    raw_pool: int = Field(default=6000, ge=10, description="Raw instruction records, with planted noise.")
+    raw_pool: int | str = Field(
+        default=6000, description="Raw instruction records: a count for the built-in pool with planted noise, "
+        "or the user's file (any format `posttrain curate` reads)."
+    )
     preamble_share: float = Field(
         default=1.0, ge=0.0, le=1.0, description="Share of clean raw records whose prompt carries a preamble."
     )
-    rl_prompts: int = Field(default=600, ge=1, description="Prompts with answer keys for rejection sampling.")
+    rl_prompts: int | str = Field(
+        default=600, description="Prompts with answer keys for rejection sampling: a count (built-in) or a file."
+    )
+    unkeyed_share: float = Field(
+        default=0.0, ge=0.0, le=1.0, description="Built-in pool: share of records whose answer key is withheld."
+    )
+    off_topic_share: float = Field(
+        default=0.0, ge=0.0, le=0.5, description="Built-in pool: share planted with fluent answers to another task."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSpec:
+        for name in ("raw_pool", "rl_prompts"):
+            value = getattr(self, name)
+            if isinstance(value, int) and value < 1:
+                raise ValueError(f"data.{name} must be a positive count or a file path, got {value}")
+        return self
 
 
 class EvalSpec(StrictModel):
+    suite: str | None = Field(default=None, description="The user's eval suite file (JSONL of eval items); "
+                              "default: the built-in flywheel suite.")
     n_per_cell: int = Field(default=30, ge=1, description="Eval items per (capability group, tier) cell.")
     max_new_tokens: int = Field(default=32, ge=1)
     batch_size: int = Field(default=64, ge=1)
@@ -56,10 +91,46 @@ class RLStageSpec(StageRecipe):
                               "train.eval_every (0: none).")
 
 
+class FeedbackLoopSpec(StrictModel):
+    """How a round's failures reach the next round: a dev suite (train-split problems the model meets in
+    use, never the held-out eval suite), its failures posted to the feedback service, ``samples``
+    alternatives per failure, and a scripted annotator (the verifier, writing its reason) voting on each
+    (failure, alternative) pair."""
+
+    dev_per_cell: int = Field(default=20, ge=1, description="Dev items per (group, tier) cell (built-in tasks).")
+    dev_suite: str | None = Field(default=None, description="The user's dev suite file instead (eval items).")
+    groups: list[str] | None = Field(default=None, description="Capture failures of these groups only (all: null).")
+    samples: int = Field(default=6, ge=1, description="Alternatives sampled per captured failure.")
+    temperature: float = Field(default=1.0, ge=0.0)
+    max_new_tokens: int = Field(default=24, ge=1)
+    batch_size: int = Field(default=64, ge=1)
+    guideline: str = Field(default="Pick the answer that does exactly what the prompt asks; say why, naming "
+                           "what each answer gives.", description="Annotation guideline shown with each pair.")
+    guideline_version: str = "flywheel-v1"
+
+
+class NextRoundSpec(StrictModel):
+    """What changes from round 2 on: a fresh raw pool and RL prompts, the curation overrides (the model
+    judge, intent labels) and the training overrides for continuing from the previous round's model."""
+
+    raw_pool: int | str = Field(default=3000, description="Round k's raw records: a count (built-in, seed + k) or a file.")
+    rl_prompts: int | str = Field(default=1500, description="Round k's RL prompts: a count or a file.")
+    unkeyed_share: float = Field(default=0.4, ge=0.0, le=1.0)
+    off_topic_share: float = Field(default=0.06, ge=0.0, le=0.5)
+    curate: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the curate stage.")
+    sft: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the SFT stage.")
+    sample: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the sample stage.")
+    dpo: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the DPO stage.")
+    model_judge: bool = Field(default=True, description="Curate with the previous round's policy as a judge.")
+
+
 class FlywheelRecipe(StrictModel):
     recipe: Literal["flywheel"] = "flywheel"
     run_dir: str = "runs/quickstart"
     seed: int = 0
+    rounds: int = Field(default=1, ge=1, le=10, description="Flywheel turns; round k+1 learns from round k's failures.")
+    feedback: FeedbackLoopSpec = Field(default_factory=FeedbackLoopSpec)
+    next_round: NextRoundSpec = Field(default_factory=NextRoundSpec)
     data: DataSpec = Field(default_factory=DataSpec)
     base: BaseModelSpec
     curate: StageRecipe
@@ -77,5 +148,6 @@ register_recipe(
     "flywheel",
     FlywheelRecipe,
     "posttrain.flywheel.run:run_flywheel",
-    "One flywheel round: curate → SFT (curriculum) → rejection sampling → DPO → eval → report.",
+    "Flywheel rounds: curate → SFT (curriculum) → rejection sampling → DPO → eval → report; `rounds: N` "
+    "feeds each round's failures, annotated through the feedback service, into the next.",
 )

@@ -1,8 +1,9 @@
-"""Run one flywheel round as cached stages (see ``posttrain.flywheel.stages``).
+"""Run flywheel rounds as cached stages (see ``posttrain.flywheel.stages``).
 
-data → base model (pretrained here) → curate → SFT (tiered curriculum) → rejection sampling →
-DPO → (GRPO with the verifier reward, with ``grpo.enabled``) → eval of every model → paired
-comparisons → ``report.html`` + ``report.json``.
+Round 1: data → base model (the user's, or pretrained here) → curate → SFT (tiered curriculum) →
+rejection sampling → DPO → (GRPO with the verifier reward, with ``grpo.enabled``) → eval of every
+model → paired comparisons. Rounds 2..N (``rounds``): ``posttrain.flywheel.rounds``. Then
+``report.html`` + ``report.json``.
 
 Every stage runs the same recipe code a user runs from the CLI; the flywheel only wires paths.
 """
@@ -23,6 +24,8 @@ from posttrain.flywheel.stages import StageRunner
 from posttrain.recipes import find_recipe
 from posttrain.threads import configure_threads
 
+NEW_DATA_DEFAULTS = {"unkeyed_share": 0.0, "off_topic_share": 0.0}
+
 
 class StageInterrupted(RuntimeError):
     """A training stage was preempted; its checkpoint is saved and a re-run resumes it."""
@@ -41,37 +44,62 @@ def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any]) -> N
 
 
 def stage_data(config: FlywheelRecipe, out: Path) -> dict[str, Any]:
+    """The round-1 inputs: the user's files where given (``data.raw_pool``/``data.rl_prompts`` as paths,
+    ``eval.suite``), else the built-in task suite's pool, prompts and eval suite; the pretraining corpus
+    only when the base model is pretrained here."""
     from posttrain.data.io import write_jsonl, write_records
+    from posttrain.eval.items import load_suite
+    from posttrain.flywheel.rounds import user_file
     from posttrain.tasks.corpus import pretrain_corpus
     from posttrain.tasks.emit import flywheel_suite, rl_prompts
-    from posttrain.tasks.pool import raw_pool
+    from posttrain.tasks.pool import NoiseMix, raw_pool
 
-    pool = raw_pool(config.data.raw_pool, config.seed, preamble_share=config.data.preamble_share)
-    write_jsonl(str(out / "raw.jsonl"), pool)
-    write_records(str(out / "prompts.jsonl"), rl_prompts(config.data.rl_prompts, config.seed + 1))
-    corpus = pretrain_corpus(config.base.corpus_documents, config.seed)
-    (out / "corpus.txt").write_text("\n".join(doc.replace("\n", " ") for doc in corpus) + "\n", encoding="utf-8")
-    suite = flywheel_suite(n_per_cell=config.eval.n_per_cell, seed=config.seed)
-    write_jsonl(str(out / "suite.jsonl"), [item.model_dump(mode="json") for item in suite.items])
-    (out / "suite_weights.json").write_text(json.dumps(suite.group_weights))
-    return {
-        "raw": str(out / "raw.jsonl"),
-        "prompts": str(out / "prompts.jsonl"),
-        "corpus": str(out / "corpus.txt"),
-        "suite": str(out / "suite.jsonl"),
-        "counts": {"raw": len(pool), "corpus": len(corpus), "eval_items": len(suite.items)},
-    }
+    spec, counts = config.data, {}
+    if isinstance(spec.raw_pool, str):
+        raw = user_file(spec.raw_pool, "data.raw_pool")
+    else:
+        pool = raw_pool(spec.raw_pool, config.seed, noise=NoiseMix(off_topic=spec.off_topic_share),
+                        preamble_share=spec.preamble_share, unkeyed_share=spec.unkeyed_share)
+        raw = str(out / "raw.jsonl")
+        write_jsonl(raw, pool)
+        counts["raw"] = len(pool)
+    if isinstance(spec.rl_prompts, str):
+        prompts = user_file(spec.rl_prompts, "data.rl_prompts")
+    else:
+        prompts = str(out / "prompts.jsonl")
+        write_records(prompts, rl_prompts(spec.rl_prompts, config.seed + 1))
+    outputs: dict[str, Any] = {"raw": raw, "prompts": prompts}
+    if config.base.model is None:
+        corpus = pretrain_corpus(config.base.corpus_documents, config.seed)
+        outputs["corpus"] = str(out / "corpus.txt")
+        Path(outputs["corpus"]).write_text("\n".join(doc.replace("\n", " ") for doc in corpus) + "\n", encoding="utf-8")
+        counts["corpus"] = len(corpus)
+    if config.eval.suite:
+        outputs["suite"] = user_file(config.eval.suite, "eval.suite")
+        counts["eval_items"] = len(load_suite(outputs["suite"]).items)
+    else:
+        suite = flywheel_suite(n_per_cell=config.eval.n_per_cell, seed=config.seed)
+        outputs["suite"] = str(out / "suite.jsonl")
+        write_jsonl(outputs["suite"], [item.model_dump(mode="json") for item in suite.items])
+        (out / "suite_weights.json").write_text(json.dumps(suite.group_weights))
+        counts["eval_items"] = len(suite.items)
+    return {**outputs, "counts": counts}
 
 
 def stage_base(config: FlywheelRecipe, data: dict[str, Any], out: Path) -> dict[str, Any]:
     from posttrain.data.io import iter_jsonl
     from posttrain.models.tiny import build_tiny_model
 
+    if config.base.model is not None:
+        from posttrain.flywheel.rounds import user_file
+
+        return {"model": user_file(config.base.model, "base.model"), "metrics": None}
     corpus = Path(data["corpus"]).read_text(encoding="utf-8").splitlines()
     pool_texts = []
     for _, row in iter_jsonl(data["raw"]):
         pool_texts += [row.get("prompt", ""), row.get("response", "")]
     spec = config.base
+    assert spec.pretrain is not None  # the config requires pretrain when there is no base.model
     init = build_tiny_model(
         out / "init",
         texts=corpus + pool_texts,
@@ -94,7 +122,7 @@ def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Pa
 
     suite = load_suite(suite_path)
     weights_file = Path(suite_path).with_name("suite_weights.json")
-    if weights_file.exists():
+    if weights_file.exists() and not config.eval.suite:
         suite.group_weights = json.loads(weights_file.read_text())
     backend = HFBackend.from_path(model_path)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.eval.max_new_tokens, seed=config.seed)
@@ -127,14 +155,17 @@ def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Pa
     return _run_and_list("grpo", spec, wiring, out)
 
 
-def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path) -> dict[str, Any]:
+def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path,
+                  pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
+    """Paired comparisons ``base->new`` of the evaluated models (default: round 1's)."""
     from posttrain.eval.stats import compare_results
 
     def load(name: str) -> dict:
         return json.loads(Path(evals[name]).read_text())
 
     comparisons = {}
-    pairs = [("base", "sft"), ("sft", "dpo"), ("base", "dpo")] + ([("dpo", "grpo")] if "grpo" in evals else [])
+    if pairs is None:
+        pairs = [("base", "sft"), ("sft", "dpo"), ("base", "dpo")] + ([("dpo", "grpo")] if "grpo" in evals else [])
     for base, new in pairs:
         result = compare_results(load(base), load(new), n_perm=config.eval.n_perm,
                                  seed=config.seed)
@@ -155,7 +186,21 @@ def run_flywheel(config: FlywheelRecipe) -> int:
         if dump.get(stage) is not None:
             dump[stage]["overrides"] = {k: v for k, v in dump[stage]["overrides"].items() if not k.startswith("debug.")}
     try:
+        from posttrain.flywheel.rounds import file_fingerprint
+
+        files = {name: file_fingerprint(path) for name, path in
+                 (("raw", config.data.raw_pool), ("prompts", config.data.rl_prompts), ("suite", config.eval.suite))
+                 if isinstance(path, str)}  # fmt: skip
+        if dump["eval"]["suite"] is None:
+            dump["eval"].pop("suite")
         data_key = {"seed": config.seed, **dump["data"], "eval": dump["eval"], "docs": config.base.corpus_documents}
+        data_key.update({"files": files} if files else {})
+        data_key.update({} if config.base.model is None else {"pretrain_here": False})
+        for name, default in NEW_DATA_DEFAULTS.items():  # options added later: a default leaves old keys (caches) valid
+            if data_key.get(name) == default:
+                data_key.pop(name)
+        if dump["base"]["model"] is None:
+            dump["base"].pop("model")
         data = runner.run("data", data_key, [], lambda out: stage_data(config, out))
         base = runner.run("base", dump["base"], ["data"], lambda out: stage_base(config, data, out))
         def recipe_stage(name: str, depends_on: list[str], wiring: Callable[[Path], dict[str, Any]]) -> None:
@@ -185,6 +230,8 @@ def run_flywheel(config: FlywheelRecipe) -> int:
             evals[label] = result["results"]
         runner.run("compare", dump["eval"], [f"eval_{label}" for label in models],
                    lambda out: stage_compare(evals, config, out))
+        if config.rounds > 1:
+            _later_rounds(config, runner, run_dir, models, evals, data["suite"])
         from posttrain.flywheel.report import build_report
 
         report = build_report(run_dir, config, runner.timings(), tuple(models))
@@ -195,6 +242,20 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     for line in report["summary"]:
         print(line)
     return 0
+
+
+def _later_rounds(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, models: dict[str, str],
+                  evals: dict[str, str], suite: str) -> None:
+    """Rounds 2..N, each from the previous round's final model; then ``rounds.json`` for the report."""
+    from posttrain.flywheel.rounds import run_next_round, write_rounds_index
+
+    final = "grpo" if "grpo" in models else "dpo"
+    rounds = [{"round": 1, "dir": ".", "models": list(models), "final": final, "label": f"round1/{final}",
+               "model": models[final], "stage": final, "results": evals[final]}]
+    for round_index in range(2, config.rounds + 1):
+        rounds.append(run_next_round(config, runner, run_dir, round_index, rounds[-1], suite, stage_eval,
+                                     stage_compare, _run_and_list))
+    write_rounds_index(run_dir, rounds, config, stage_compare)
 
 
 def _pairs(run_dir: Path) -> str:

@@ -1,0 +1,197 @@
+"""How a round's failures become the next round's data, through the feedback service (``posttrain.serve``).
+
+1. **capture**: the previous round's final model answers a *dev* suite (train-split problems it meets
+   in use; never the held-out eval suite, so the score that judges the round stays clean). Each
+   failure is POSTed to the service as an edge case (prompt, the failing answer with its model id and
+   sampling settings, signal ``failed_verifier`` with the verifier's detail). Then the same model
+   samples ``feedback.samples`` alternatives per failure, POSTed as further responses.
+2. **annotate**: a scripted annotator — the verifier, holding each dev item's answer key — asks the
+   service for the next pair, as a person would through ``/annotate``, and votes A / B / tie / both
+   bad with a reason that names what each answer gives ("B gives '42', the expected answer; A gives
+   '41'"). The service randomises the sides and keeps the true order.
+3. **export**: ``posttrain feedback export`` logic writes preference pairs, SFT examples and the
+   ``posttrain feedback`` merge input, each with lineage, from the vote log.
+
+The service runs in this process on 127.0.0.1 at a free port, over the run's SQLite file
+``<run_dir>/feedback.db``; every call goes through its HTTP API, so the flywheel exercises exactly what a
+deployed model's capture hook and a human annotator use.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from posttrain.flywheel.config import FlywheelRecipe
+
+DB_FILE = "feedback.db"
+
+
+def db_url(run_dir: Path) -> str:
+    return f"sqlite:///{(run_dir / DB_FILE).resolve()}"
+
+
+def _token(db: Any, out: Path, name: str, role: str) -> str:
+    """A user's token, created once per stage directory and kept there (the service stores only its hash),
+    so a re-run of an interrupted stage acts as the same user."""
+    path = out / f"{name}.token"
+    if path.exists():
+        return path.read_text().strip()
+    existing = db.one("SELECT id FROM users WHERE name = ?", (name,))
+    if existing is not None:  # the token file was lost with an earlier attempt of this stage
+        name = f"{name}-{out.name}-{len(list(out.glob('*.token')))}"
+    token = db.create_user(name, role)
+    path.write_text(token)
+    path.chmod(0o600)
+    return token
+
+
+@contextmanager
+def feedback_service(run_dir: Path):
+    """``(base_url, db)`` of the run's feedback service, running for the duration of the block."""
+    from posttrain.serve.app import run_in_thread
+    from posttrain.serve.db import open_db
+    from posttrain.serve.models import Limits
+
+    url = db_url(run_dir)
+    db = open_db(url)
+    base_url, stop = run_in_thread(url, Limits(rate=0.0))  # our own loopback client: no rate limit
+    try:
+        yield base_url, db
+    finally:
+        stop()
+        db.close()
+
+
+def _client(base_url: str, token: str) -> Any:
+    import httpx
+
+    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=60.0)
+
+
+def _check(response: Any, what: str) -> dict[str, Any]:
+    if response.status_code >= 400:
+        raise RuntimeError(f"feedback service refused {what}: HTTP {response.status_code} {response.text[:300]}")
+    return response.json() if response.content else {}
+
+
+def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_label: str, dev_suite: str,
+                  db_dir: Path, out: Path) -> dict[str, Any]:
+    """Evaluate ``model`` on the dev suite, post its failures and sampled alternatives to the service."""
+    from posttrain.eval.harness import evaluate
+    from posttrain.eval.items import load_suite
+    from posttrain.generate.engine import HFBackend, SamplingParams
+
+    spec = config.feedback
+    suite = load_suite(dev_suite)
+    backend = HFBackend.from_path(model)
+    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.eval.max_new_tokens, seed=config.seed)
+    results = evaluate(backend, suite, greedy, batch_size=config.eval.batch_size, n_boot=config.eval.n_boot,
+                       seed=config.seed, model_name=model_label, progress=False)
+    (out / "dev_results.json").write_text(json.dumps(results, indent=1))
+    failed = [row for row in results["items"] if not row["passed"] and (spec.groups is None or row["group"] in spec.groups)]
+    # An empty answer has nothing for an annotator to compare; it is counted, not captured.
+    failures = [row for row in failed if (row["output"] or "").strip()]
+    source = f"flywheel/round{round_index - 1}/dev"
+    greedy_settings = {"temperature": 0.0, "max_new_tokens": config.eval.max_new_tokens}
+    sampled_settings = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
+                        "n": spec.samples, "seed": config.seed + round_index}
+    params = SamplingParams(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
+                            seed=config.seed + round_index)
+    alternatives = backend.generate([[{"role": "user", "content": row["prompt"]}] for row in failures], params,
+                                    batch_size=spec.batch_size, progress=False) if failures else []
+    counts: Counter = Counter()
+    with feedback_service(db_dir) as (base_url, db):
+        token = _token(db, out, f"flywheel-capture-round{round_index}", "ingest")
+        with _client(base_url, token) as client:
+            for row, samples in zip(failures, alternatives, strict=True):
+                case = {
+                    "prompt": row["prompt"],
+                    "responses": [{"text": row["output"], "model_id": model_label, "sampling": greedy_settings}],
+                    "signal": {"type": "failed_verifier", "detail": row["detail"]},
+                    "source": source, "group": row["group"],
+                    "metadata": {"dev_item": row["id"], "tier": row["tier"], "verifier": row["verifier"]},
+                }  # fmt: skip
+                created = _check(client.post("/api/edge-cases", json=case), "an edge case")
+                counts["captured" if created.get("created", True) else "already_captured"] += 1
+                texts = list(dict.fromkeys(s.text for s in samples if s.text.strip() and s.text != row["output"]))
+                if texts:
+                    body = {"responses": [{"text": t, "model_id": model_label, "sampling": sampled_settings}
+                                          for t in texts]}
+                    _check(client.post(f"/api/edge-cases/{created['id']}/responses", json=body), "alternatives")
+                    counts["alternatives"] += len(texts)
+    groups = Counter(row["group"] for row in failures)
+    return {"dev_results": str(out / "dev_results.json"), "dev_items": len(results["items"]),
+            "dev_passed": results["counts"]["passed"], "failures": len(failures), "failures_by_group": dict(groups),
+            "empty_failures": len(failed) - len(failures),
+            **counts}  # fmt: skip
+
+
+def _short(text: str, limit: int = 60) -> str:
+    flat = " ".join(text.split())
+    return repr(flat if len(flat) <= limit else flat[: limit - 1] + "…")
+
+
+def verifier_vote(item: Any, left: str, right: str) -> tuple[str, str]:
+    """The scripted annotator's ``(choice, reason)`` for one pair shown as A (left) and B (right)."""
+    from posttrain.eval.verifiers import verify
+
+    results = {side: verify(item, text) for side, text in (("A", left), ("B", right))}
+    texts = {"A": left, "B": right}
+    expected = f"the expected answer is {_short(str(item.answer))}" if item.answer is not None else "it passes"
+    passed = [side for side in ("A", "B") if results[side].passed]
+    if len(passed) == 1:
+        good, bad = passed[0], "B" if passed[0] == "A" else "A"
+        detail = results[bad].detail or "fails the check"
+        reason = f"{good} gives {_short(texts[good])} and {expected}; {bad} gives {_short(texts[bad])} ({detail})"
+        return ("left" if good == "A" else "right"), reason
+    if len(passed) == 2:
+        return "tie", f"both pass the check: A gives {_short(left)}, B gives {_short(right)}; {expected}"
+    return "both_bad", (f"neither passes: A gives {_short(left)} ({results['A'].detail}), B gives {_short(right)} "
+                        f"({results['B'].detail}); {expected}")
+
+
+def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_dir: Path, out: Path
+                   ) -> dict[str, Any]:
+    """Vote on every open pair as the scripted verifier annotator, through the annotator API."""
+    from posttrain.eval.items import load_suite
+
+    items = {item.prompt if isinstance(item.prompt, str) else json.dumps(item.prompt): item
+             for item in load_suite(dev_suite).items}
+    counts: Counter = Counter()
+    with feedback_service(db_dir) as (base_url, db):
+        db.put_guideline(config.feedback.guideline_version, config.feedback.guideline)
+        token = _token(db, out, f"flywheel-verifier-round{round_index}", "annotator")
+        with _client(base_url, token) as client:
+            while True:
+                response = client.get("/api/tasks/next")
+                if response.status_code == 204:
+                    break
+                task = _check(response, "the next task")
+                prompt = task["prompt"] if isinstance(task["prompt"], str) else json.dumps(task["prompt"])
+                item = items.get(prompt)
+                if item is None:  # a case someone else captured: this annotator has no answer key for it
+                    choice, reason = "tie", "no answer key for this prompt: cannot tell (scripted verifier)"
+                    counts["no_key"] += 1
+                else:
+                    choice, reason = verifier_vote(item, task["left"]["text"], task["right"]["text"])
+                _check(client.post("/api/votes", json={"task_id": task["task_id"], "choice": choice,
+                                                       "reason": reason}), "a vote")
+                counts[choice] += 1
+    return {"votes": sum(counts[c] for c in ("left", "right", "tie", "both_bad")), **counts}
+
+
+def stage_export(db_dir: Path, out: Path) -> dict[str, Any]:
+    from posttrain.serve.db import open_db
+    from posttrain.serve.export import export_feedback
+
+    db = open_db(db_url(db_dir))
+    try:
+        manifest = export_feedback(db, out, min_votes=1)
+    finally:
+        db.close()
+    return {"feedback": str(out / "feedback.jsonl"), "preferences": str(out / "preferences.jsonl"),
+            "sft": str(out / "sft.jsonl"), "counts": manifest["counts"], "skipped": manifest["skipped"]}

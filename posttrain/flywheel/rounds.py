@@ -1,0 +1,160 @@
+"""Flywheel rounds 2..N: each starts from the previous round's final model and learns from its failures.
+
+Round k lives in ``<run_dir>/round<k>/`` and runs, as cached stages of the same ``StageRunner``:
+
+    data      a fresh raw pool (seed + 1000·(k-1); with withheld answer keys and planted off-topic
+              answers, so rules alone cannot clean it), fresh RL prompts, and a dev suite
+    capture   the previous final model on the dev suite; failures + sampled alternatives → the service
+    annotate  the scripted verifier annotator votes on every pair, with reasons
+    export    the vote log → preference pairs, SFT examples, merge input, with lineage
+    curate    the new pool, with the previous round's policy as judge (``model_judge``) and intent labels
+    sample    rejection sampling of the new RL prompts with the previous final model
+    feedback  ``posttrain feedback``: the exported edge cases merged into the curated SFT set and the
+              sampled preference set (deduplicated against both)
+    sft, dpo  continued from the previous final model on the merged sets
+    eval_sft, eval_dpo, compare   on the round-1 held-out eval suite, so every round is scored alike
+
+``rounds.json`` (written by ``write_rounds_index``) lists the rounds for the report, and
+``across/comparisons.json`` compares each round's final model with the previous round's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
+from posttrain.flywheel.stages import StageRunner
+
+
+def file_fingerprint(path: str) -> dict[str, Any]:
+    """What a cached stage keys a user's input file on: its size and modification time (cheap; a
+    changed file re-runs the stages that read it)."""
+    stat = Path(path).stat()
+    return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+
+
+def user_file(path: str, what: str) -> str:
+    if not Path(path).exists():
+        raise FileNotFoundError(f"{what}: {path} does not exist")
+    return path
+
+
+def stage_round_data(config: FlywheelRecipe, round_index: int, out: Path) -> dict[str, Any]:
+    from posttrain.data.io import write_jsonl, write_records
+    from posttrain.tasks.emit import eval_items, rl_prompts
+    from posttrain.tasks.pool import NoiseMix, raw_pool
+
+    spec, seed = config.next_round, config.seed + 1000 * (round_index - 1)
+    if isinstance(spec.raw_pool, str):
+        raw = user_file(spec.raw_pool, "next_round.raw_pool")
+    else:
+        pool = raw_pool(spec.raw_pool, seed, noise=NoiseMix(off_topic=spec.off_topic_share),
+                        preamble_share=config.data.preamble_share, unkeyed_share=spec.unkeyed_share)
+        raw = str(out / "raw.jsonl")
+        write_jsonl(raw, pool)
+    if isinstance(spec.rl_prompts, str):
+        prompts = user_file(spec.rl_prompts, "next_round.rl_prompts")
+    else:
+        prompts = str(out / "prompts.jsonl")
+        write_records(prompts, rl_prompts(spec.rl_prompts, seed + 1))
+    if config.feedback.dev_suite:
+        dev = user_file(config.feedback.dev_suite, "feedback.dev_suite")
+    else:  # train-split problems: what the model meets in use, never an item of the held-out eval suite
+        dev = str(out / "dev_suite.jsonl")
+        write_jsonl(dev, eval_items(config.feedback.dev_per_cell, seed + 2, split="train"))
+    return {"raw": raw, "prompts": prompts, "dev_suite": dev}
+
+
+def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, round_index: int,
+                   previous: dict[str, Any], suite: str,
+                   stage_eval: Callable[..., dict[str, Any]], stage_compare: Callable[..., dict[str, Any]],
+                   run_stage: Callable[[str, StageRecipe, dict[str, Any], Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run round ``round_index`` from ``previous`` (``{"label", "model", "stage", "results"}`` of the
+    previous round's final model); return the round's entry for ``rounds.json``."""
+    from posttrain.flywheel import feedback_loop as loop
+
+    prefix = f"round{round_index}"
+    here = run_dir / prefix
+    dump = config.model_dump(mode="json")
+    spec = config.next_round
+    files = {name: file_fingerprint(value) for name, value in
+             (("raw", spec.raw_pool), ("prompts", spec.rl_prompts), ("dev", config.feedback.dev_suite))
+             if isinstance(value, str)}  # fmt: skip
+    start = previous["stage"]
+
+    def stage(name: str, key: Any, depends_on: list[str], body: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+        return runner.run(f"{prefix}/{name}", key, [d if d == start else f"{prefix}/{d}" for d in depends_on], body)
+
+    data = stage("data", {"seed": config.seed, "round": round_index, "next_round": dump["next_round"],
+                          "feedback": dump["feedback"], "preamble": config.data.preamble_share, "files": files},
+                 [], lambda out: stage_round_data(config, round_index, out))
+    loop_key = {"feedback": dump["feedback"], "eval": dump["eval"]}
+    stage("capture", loop_key, [start, "data"],
+          lambda out: loop.stage_capture(config, round_index, previous["model"], previous["label"],
+                                         data["dev_suite"], run_dir, out))
+    stage("annotate", loop_key, ["capture"],
+          lambda out: loop.stage_annotate(config, round_index, data["dev_suite"], run_dir, out))
+    exported = stage("export", {}, ["annotate"], lambda out: loop.stage_export(run_dir, out))
+
+    def recipe(name: str, base: StageRecipe, extra: dict[str, Any], depends_on: list[str],
+               wiring: dict[str, Any], recipe_name: str | None = None) -> None:
+        merged = StageRecipe(recipe=base.recipe, overrides={**base.overrides, **extra})
+        stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on,
+              lambda out: run_stage(recipe_name or name, merged, {**wiring, "output_dir": str(out)}, out))
+
+    judge = {"model_judge.enabled": spec.model_judge, "model_judge.model": previous["model"]} if spec.model_judge else {}
+    recipe("curate", config.curate, {"intent.enabled": True, **spec.curate}, ["data", start],
+           {"data.input": data["raw"], **judge})
+    recipe("sample", config.sample, spec.sample, ["data", start],
+           {"data.input": data["prompts"], "policy.path": previous["model"]})
+    recipe("feedback", StageRecipe(recipe="curate_feedback"), {}, ["curate", "sample", "export"],
+           {"feedback": exported["feedback"], "sft": str(here / "curate" / "kept.jsonl"),
+            "preferences": str(here / "sample" / "preferences.jsonl")})
+    recipe("sft", config.sft, spec.sft, [start, "feedback"],
+           {"model.path": previous["model"], "data.train": str(here / "feedback" / "sft.jsonl")})
+    recipe("dpo", config.dpo, spec.dpo, ["sft", "feedback"],
+           {"model.path": str(here / "sft" / "final"), "data.train": str(here / "feedback" / "preferences.jsonl"),
+            "data.eval": None})
+    evals = {"start": previous["results"]}
+    for label in ("sft", "dpo"):
+        result = stage(f"eval_{label}", {"eval": dump["eval"], "model": f"{prefix}/{label}"}, [label],
+                       lambda out, lab=label: stage_eval(str(here / lab / "final"), suite, config, out,
+                                                         f"{prefix}/{lab}"))
+        evals[label] = result["results"]
+    stage("compare", dump["eval"], ["eval_sft", "eval_dpo"],
+          lambda out: stage_compare(evals, config, out, [("start", "sft"), ("sft", "dpo"), ("start", "dpo")]))
+    capture = runner.results[f"{prefix}/capture"].outputs
+    annotate = runner.results[f"{prefix}/annotate"].outputs
+    return {
+        "round": round_index, "dir": prefix, "models": ["sft", "dpo"], "final": "dpo",
+        "start": previous["label"], "captured_groups": sorted(capture.get("failures_by_group", {})),
+        "counts": {"captured": capture.get("failures", 0), "alternatives": capture.get("alternatives", 0),
+                   "votes": annotate.get("votes", 0), "pairs": exported["counts"].get("exported", 0),
+                   "dev_items": capture.get("dev_items", 0), "dev_passed": capture.get("dev_passed", 0)},
+        "model": str(here / "dpo" / "final"), "stage": f"{prefix}/dpo", "label": f"{prefix}/dpo",
+        "results": evals["dpo"],
+    }  # fmt: skip
+
+
+def write_rounds_index(run_dir: Path, rounds: list[dict[str, Any]], config: FlywheelRecipe,
+                       stage_compare: Callable[..., dict[str, Any]]) -> Path:
+    """``rounds.json`` and ``across/comparisons.json``: each round's final model against the previous one's
+    (and the first round's against the last), paired by item on the same held-out suite."""
+    across = run_dir / "across"
+    across.mkdir(exist_ok=True)
+    finals = {entry["label"]: entry["results"] for entry in rounds}
+    labels = list(finals)
+    pairs = list(zip(labels, labels[1:], strict=False))
+    if len(labels) > 2:
+        pairs.append((labels[0], labels[-1]))
+    stage_compare(finals, config, across, pairs)
+    index = {
+        "rounds": [{k: v for k, v in entry.items() if k not in ("stage", "results")} for entry in rounds],
+        "across": "across/comparisons.json",
+    }
+    path = run_dir / "rounds.json"
+    path.write_text(json.dumps(index, indent=1))
+    return path

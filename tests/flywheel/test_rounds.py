@@ -1,0 +1,105 @@
+"""Two flywheel turns on a reduced budget: round 2 starts from round 1's model and learns from its failures,
+captured, annotated and exported through the feedback service (a real server on 127.0.0.1 over SQLite)."""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+
+import pytest
+import yaml
+
+from posttrain.cli import main
+from posttrain.eval.items import EvalItem
+from posttrain.flywheel.feedback_loop import verifier_vote
+from tests.flywheel.reduced import reduced_recipe
+
+
+@pytest.fixture(scope="module")
+def two_rounds(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("rounds") / "run"
+    path = reduced_recipe(run_dir, rounds=2, feedback={"dev_per_cell": 2, "samples": 3, "max_new_tokens": 6},
+                          next_round={"raw_pool": 120, "rl_prompts": 24, "unkeyed_share": 0.5,
+                                      "off_topic_share": 0.1, "curate": {"intent.enabled": False},
+                                      "sft": {"train.max_steps": 3}, "dpo": {"train.max_steps": 2}})
+    recipe = yaml.safe_load(path.read_text())
+    recipe["sft"]["overrides"]["train.max_steps"] = 40  # enough that some greedy answers are not empty
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["flywheel", "--config", str(path)]) == 0
+    return run_dir, path
+
+
+def _outputs(run_dir, stage):
+    return json.loads((run_dir / stage / "stage.json").read_text())["outputs"]
+
+
+def test_round_two_starts_from_round_one_and_is_indexed_for_the_report(two_rounds):
+    run_dir, _ = two_rounds
+    index = json.loads((run_dir / "rounds.json").read_text())
+    assert [r["round"] for r in index["rounds"]] == [1, 2]
+    second = index["rounds"][1]
+    assert second["start"] == "round1/dpo" and second["dir"] == "round2"
+    sft_config = yaml.safe_load((run_dir / "round2" / "sft" / "config.yaml").read_text())
+    assert sft_config["model"]["path"] == str(run_dir / "dpo" / "final")
+    dpo_config = yaml.safe_load((run_dir / "round2" / "dpo" / "config.yaml").read_text())
+    assert dpo_config["model"]["path"] == str(run_dir / "round2" / "sft" / "final")
+    across = json.loads((run_dir / index["across"]).read_text())
+    assert list(across) == ["round1/dpo->round2/dpo"]
+    # Round 2 is scored on round 1's held-out suite, item for item.
+    first = json.loads((run_dir / "eval_dpo" / "results.json").read_text())
+    later = json.loads((run_dir / "round2" / "eval_dpo" / "results.json").read_text())
+    assert [i["id"] for i in first["items"]] == [i["id"] for i in later["items"]]
+
+
+def test_failures_go_through_the_service_and_every_vote_has_a_reason(two_rounds):
+    run_dir, _ = two_rounds
+    capture, annotate = _outputs(run_dir, "round2/capture"), _outputs(run_dir, "round2/annotate")
+    dev = json.loads((run_dir / "round2" / "capture" / "dev_results.json").read_text())
+    failed = [i for i in dev["items"] if not i["passed"]]
+    assert capture["failures"] + capture["empty_failures"] == len(failed)
+    assert capture["failures"] > 0
+    with sqlite3.connect(run_dir / "feedback.db") as db:
+        cases = db.execute("SELECT signal, source FROM edge_cases").fetchall()
+        responses = db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
+        votes = db.execute("SELECT reason, annotator_id FROM votes").fetchall()
+    assert len(cases) == capture["captured"]
+    assert all(json.loads(signal)["type"] == "failed_verifier" and source == "flywheel/round1/dev"
+               for signal, source in cases)
+    assert responses == capture["captured"] + capture["alternatives"]
+    assert len(votes) == annotate["votes"] == capture["alternatives"]  # one vote per (failure, alternative)
+    assert all(reason.strip() for reason, _ in votes) and len({a for _, a in votes}) == 1
+    exported = _outputs(run_dir, "round2/export")
+    assert exported["counts"]["pairs_with_votes"] == annotate["votes"]
+
+
+def test_round_two_curates_with_the_model_judge_and_merges_the_export(two_rounds):
+    run_dir, _ = two_rounds
+    funnel = json.loads((run_dir / "round2" / "curate" / "funnel.json").read_text())
+    assert "model_judge" in [s["stage"] for s in funnel["stages"]]
+    curate = json.loads((run_dir / "round2" / "curate" / "manifest.json").read_text())["config"]
+    assert curate["model_judge"]["enabled"] and curate["model_judge"]["model"] == str(run_dir / "dpo" / "final")
+    manifest = json.loads((run_dir / "round2" / "feedback" / "manifest.json").read_text())
+    parents = json.dumps(manifest)
+    assert "round2/export/feedback.jsonl" in parents and "round2/curate/kept.jsonl" in parents
+
+
+def test_a_rerun_of_two_rounds_skips_every_stage(two_rounds, capsys):
+    run_dir, path = two_rounds
+    assert main(["flywheel", "--config", str(path)]) == 0
+    err = capsys.readouterr().err
+    assert "round2/annotate: unchanged" in err and ": running" not in err
+
+
+NUMERIC = EvalItem(id="x", prompt="What is 15 + 27?", verifier="numeric", answer="42", group="reasoning", tier=1,
+                   options={"tolerance": 0})
+
+
+def test_the_scripted_annotator_names_what_each_answer_gives():
+    choice, reason = verifier_vote(NUMERIC, "41", "42")
+    assert choice == "right"
+    assert reason.startswith("B gives '42'") and "expected answer is '42'" in reason and "A gives '41'" in reason
+    choice, _ = verifier_vote(NUMERIC, "The answer is 42.", "40")
+    assert choice == "left"
+    assert verifier_vote(NUMERIC, "42", "42.0")[0] == "tie"
+    choice, reason = verifier_vote(NUMERIC, "7", "8")
+    assert choice == "both_bad" and "neither passes" in reason
