@@ -10,7 +10,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "report",
         help="Draw the self-contained HTML report (report.html + report.json) of a run directory or eval results.",
         description=(
-            "Tells from its files what PATH is and draws its report, plotly inlined (opens offline):\n"
+            "Tells from its files what RUN_DIR is and draws its report, plotly inlined (opens offline):\n"
             "  flywheel run      (stage directories with stage.json; rounds.json for several rounds)\n"
             "  training run      (metrics.jsonl: sft, pretrain, dpo family, rm, grpo output_dir)\n"
             "  curate / sample   (funnel.json, manifest.json)\n"
@@ -20,7 +20,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("path", metavar="RUN_DIR", help="run directory, or an eval results / comparison JSON file")
-    parser.add_argument("--out", help="HTML file to write (default: RUN_DIR/report.html, or FILE.report.html "
+    parser.add_argument("--out", metavar="FILE", help="HTML file to write (default: RUN_DIR/report.html, or FILE.report.html "
                         "beside a results file); the numbers go beside it as .json")
     parser.set_defaults(func=_report)
 

@@ -152,7 +152,8 @@ def _rounds_summary(page: Page, data: dict[str, Any]) -> None:
         body += "<h4>Across rounds</h4>" + tables.comparisons_table(data["across"],
                                                                     _captured_marks(rounds, data["across"]))
         body += tables.reading_the_verdicts()
-    charts = [("rounds-scores", figures.scores_figure(finals, title="Final model of each round (0–100, 95% CIs)"))]
+    charts = [("rounds-scores", figures.scores_figure(finals, title="Final model of each round (0–100, 95% CIs)"))
+              ] if finals else []
     page.add("Rounds", body, charts)
 
 
