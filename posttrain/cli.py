@@ -31,6 +31,7 @@ _COMMAND_MODULES = (
     "posttrain.data.inspect",
     "posttrain.commands.model",
     "posttrain.commands.quickstart",
+    "posttrain.commands.report",
     "posttrain.commands.launch",
     "posttrain.commands.k8s",
     "posttrain.generate.cli",
@@ -61,6 +62,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.data.storage", "StorageUnavailable"),
     ("posttrain.telemetry.trackers", "TrackerUnavailable"),
     ("posttrain.serve.db", "FeedbackDBError"),
+    ("posttrain.report.detect", "NotARunDirectory"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))

@@ -6,7 +6,6 @@ import json
 import subprocess
 import sys
 
-import pytest
 import yaml
 
 from posttrain.cli import main
@@ -15,14 +14,6 @@ from tests.flywheel.reduced import ROOT, reduced_recipe
 
 def stage_keys(run_dir):
     return {p.parent.name: json.loads(p.read_text())["key"] for p in run_dir.glob("*/stage.json")}
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("quickstart") / "run"
-    recipe = reduced_recipe(run_dir)
-    assert main(["flywheel", "--config", str(recipe)]) == 0
-    return run_dir, recipe
 
 
 def test_round_produces_every_stage_and_a_complete_report(finished_run):
@@ -36,7 +27,8 @@ def test_round_produces_every_stage_and_a_complete_report(finished_run):
     assert set(report["comparisons"]) == {"base->sft", "sft->dpo", "base->dpo"}
     assert report["sft"]["step"] and report["dpo"]["step"] and report["sft"]["tiers"]
     html = (run_dir / "report.html").read_text()
-    assert html.count('class="plotly-graph-div"') == 5
+    # Scores, the funnel, SFT curves and tier mix, DPO curves, tier mix and preference margin / accuracy.
+    assert html.count('class="plotly-graph-div"') == 7
     for model in ("base", "sft", "dpo"):
         assert (run_dir / f"eval_{model}" / "results.json").exists()
 
@@ -81,11 +73,11 @@ def test_the_rl_stage_adds_grpo_to_the_round_and_the_report(finished_run, capsys
     assert {name for name in after if before.get(name) != after[name]} == {"grpo", "eval_grpo", "compare"}
     report = json.loads((run_dir / "report.json").read_text())
     assert report["models"] == ["base", "sft", "dpo", "grpo"] and "dpo->grpo" in report["comparisons"]
-    assert report["grpo"]["step"] == [0, 1] and report["grpo"]["eval_step"]
+    assert report["grpo"]["step"] == [0, 1] and report["grpo"]["eval"]["step"]
     prompts = [json.loads(line) for line in (run_dir / "grpo" / "prompts.jsonl").read_text().splitlines()]
     assert prompts and all(p["group"] == "reasoning" for p in prompts)
     html = (run_dir / "report.html").read_text()
-    assert html.count('class="plotly-graph-div"') == 6 and 'id="chart-grpo"' in html
+    assert html.count('class="plotly-graph-div"') == 9 and 'id="chart-grpo-rl"' in html
 
 
 def test_crash_mid_sft_resumes_on_rerun(tmp_path):

@@ -68,9 +68,12 @@ def test_report_renders_every_chart_without_errors(tmp_path):
     fake_run(run_dir)
     report = build_report(run_dir, None, {"sft": 1.0})
     verdict, stderr = render(Path(report["html"]), tmp_path, "report.png")
-    assert verdict["charts"] == 5, verdict
+    # The funnel, SFT curves and tier mix, DPO curves and margin / accuracy, the scores: SFT and DPO each
+    # have their own step axis.
+    assert verdict["charts"] == 6, verdict
     assert verdict["with_data"] == verdict["charts"], verdict
     assert verdict["errors"] == [], verdict
+    assert verdict["check_hidden"] is True  # the check's text is for the test, not for a reader
     assert "Uncaught" not in stderr
     assert (ARTIFACTS / "report.png").stat().st_size > 10_000
     numbers = json.loads(Path(report["json"]).read_text())

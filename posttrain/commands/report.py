@@ -1,0 +1,35 @@
+"""``posttrain report PATH``: the self-contained HTML report of any run directory or eval results file."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        "report",
+        help="Draw the self-contained HTML report (report.html + report.json) of a run directory or eval results.",
+        description=(
+            "Tells from its files what RUN_DIR is and draws its report, plotly inlined (opens offline):\n"
+            "  flywheel run      (stage directories with stage.json; rounds.json for several rounds)\n"
+            "  training run      (metrics.jsonl: sft, pretrain, dpo family, rm, grpo output_dir)\n"
+            "  curate / sample   (funnel.json, manifest.json)\n"
+            "  eval results      (a `posttrain eval -o` file, `eval compare -o` file, or a directory of them)\n"
+            "Anything else exits 2 with one line saying what was looked for."
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("path", metavar="RUN_DIR", help="run directory, or an eval results / comparison JSON file")
+    parser.add_argument("--out", metavar="FILE", help="HTML file to write (default: RUN_DIR/report.html, or FILE.report.html "
+                        "beside a results file); the numbers go beside it as .json")
+    parser.set_defaults(func=_report)
+
+
+def _report(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from posttrain.report import write_report
+
+    written = write_report(Path(args.path), Path(args.out) if args.out else None)
+    print(f"{written['kind']} report: {written['html']} ({written['charts']} charts)\nnumbers: {written['json']}")
+    return 0
