@@ -29,10 +29,10 @@ from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
 from posttrain.flywheel.stages import StageRunner
 
 
-def file_fingerprint(path: str) -> dict[str, Any]:
-    """What a cached stage keys a user's input file on: its size and modification time (cheap; a
-    changed file re-runs the stages that read it)."""
-    stat = Path(path).stat()
+def file_fingerprint(path: str, what: str) -> dict[str, Any]:
+    """What a cached stage keys a user's input file (config key ``what``) on: its size and modification
+    time (cheap; a changed file re-runs the stages that read it)."""
+    stat = Path(user_file(path, what)).stat()
     return {"path": str(Path(path).resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
 
 
@@ -80,8 +80,9 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     here = run_dir / prefix
     dump = config.model_dump(mode="json")
     spec = config.next_round
-    files = {name: file_fingerprint(value) for name, value in
-             (("raw", spec.raw_pool), ("prompts", spec.rl_prompts), ("dev", config.feedback.dev_suite))
+    files = {name: file_fingerprint(value, key) for name, key, value in
+             (("raw", "next_round.raw_pool", spec.raw_pool), ("prompts", "next_round.rl_prompts", spec.rl_prompts),
+              ("dev", "feedback.dev_suite", config.feedback.dev_suite))
              if isinstance(value, str)}  # fmt: skip
     start = previous["stage"]
 

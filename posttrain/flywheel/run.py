@@ -188,8 +188,9 @@ def run_flywheel(config: FlywheelRecipe) -> int:
     try:
         from posttrain.flywheel.rounds import file_fingerprint
 
-        files = {name: file_fingerprint(path) for name, path in
-                 (("raw", config.data.raw_pool), ("prompts", config.data.rl_prompts), ("suite", config.eval.suite))
+        files = {name: file_fingerprint(path, key) for name, key, path in
+                 (("raw", "data.raw_pool", config.data.raw_pool), ("prompts", "data.rl_prompts", config.data.rl_prompts),
+                  ("suite", "eval.suite", config.eval.suite))
                  if isinstance(path, str)}  # fmt: skip
         if dump["eval"]["suite"] is None:
             dump["eval"].pop("suite")
