@@ -34,15 +34,18 @@ def db_url(run_dir: Path) -> str:
     return f"sqlite:///{(run_dir / DB_FILE).resolve()}"
 
 
-def _token(db: Any, out: Path, name: str, role: str) -> str:
-    """A user's token, created once per stage directory and kept there (the service stores only its hash),
-    so a re-run of an interrupted stage acts as the same user."""
-    path = out / f"{name}.token"
+def _token(db: Any, run_dir: Path, name: str, role: str) -> str:
+    """A user's token, created once per run and kept in ``<run_dir>/feedback_tokens/`` (the service stores
+    only its hash), so a re-run of a stage — interrupted, or with changed inputs — acts as the same user,
+    and the annotator is not served the pairs it already voted on."""
+    folder = run_dir / "feedback_tokens"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    path = folder / f"{name}.token"
     if path.exists():
         return path.read_text().strip()
-    existing = db.one("SELECT id FROM users WHERE name = ?", (name,))
-    if existing is not None:  # the token file was lost with an earlier attempt of this stage
-        name = f"{name}-{out.name}-{len(list(out.glob('*.token')))}"
+    if db.one("SELECT id FROM users WHERE name = ?", (name,)) is not None:
+        raise RuntimeError(f"{run_dir / DB_FILE} has a user {name!r} but its token {path} is gone; "
+                           "restore the file or start the run in a fresh run_dir")
     token = db.create_user(name, role)
     path.write_text(token)
     path.chmod(0o600)
@@ -105,7 +108,7 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                                     batch_size=spec.batch_size, progress=False) if failures else []
     counts: Counter = Counter()
     with feedback_service(db_dir) as (base_url, db):
-        token = _token(db, out, f"flywheel-capture-round{round_index}", "ingest")
+        token = _token(db, db_dir, f"flywheel-capture-round{round_index}", "ingest")
         with _client(base_url, token) as client:
             for row, samples in zip(failures, alternatives, strict=True):
                 case = {
@@ -164,7 +167,7 @@ def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_
     counts: Counter = Counter()
     with feedback_service(db_dir) as (base_url, db):
         db.put_guideline(config.feedback.guideline_version, config.feedback.guideline)
-        token = _token(db, out, f"flywheel-verifier-round{round_index}", "annotator")
+        token = _token(db, db_dir, f"flywheel-verifier-round{round_index}", "annotator")
         with _client(base_url, token) as client:
             while True:
                 response = client.get("/api/tasks/next")

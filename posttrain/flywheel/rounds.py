@@ -89,8 +89,10 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     def stage(name: str, key: Any, depends_on: list[str], body: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
         return runner.run(f"{prefix}/{name}", key, [d if d == start else f"{prefix}/{d}" for d in depends_on], body)
 
-    data = stage("data", {"seed": config.seed, "round": round_index, "next_round": dump["next_round"],
-                          "feedback": dump["feedback"], "preamble": config.data.preamble_share, "files": files},
+    data_options = {k: dump["next_round"][k] for k in ("raw_pool", "rl_prompts", "unkeyed_share", "off_topic_share")}
+    dev_options = {k: dump["feedback"][k] for k in ("dev_per_cell", "dev_suite")}
+    data = stage("data", {"seed": config.seed, "round": round_index, **data_options, **dev_options,
+                          "preamble": config.data.preamble_share, "files": files},
                  [], lambda out: stage_round_data(config, round_index, out))
     loop_key = {"feedback": dump["feedback"], "eval": dump["eval"]}
     stage("capture", loop_key, [start, "data"],

@@ -90,6 +90,25 @@ def test_a_rerun_of_two_rounds_skips_every_stage(two_rounds, capsys):
     assert "round2/annotate: unchanged" in err and ": running" not in err
 
 
+def test_rerunning_capture_and_annotate_adds_no_case_and_no_vote(two_rounds, capsys):
+    """A changed guideline re-runs capture and annotate: the cases are already there (idempotent by content
+    hash) and the same annotator (its token kept under feedback_tokens/) has nothing left to vote on."""
+    run_dir, path = two_rounds
+    with sqlite3.connect(run_dir / "feedback.db") as db:
+        before = [db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("edge_cases", "responses", "votes")]
+    recipe = yaml.safe_load(path.read_text())
+    recipe["feedback"].update(guideline="A new guideline text.", guideline_version="flywheel-v2")
+    changed = path.with_name("changed-guideline.yaml")
+    changed.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["flywheel", "--config", str(changed)]) == 0
+    assert "round2/annotate: running" in capsys.readouterr().err
+    with sqlite3.connect(run_dir / "feedback.db") as db:
+        after = [db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in ("edge_cases", "responses", "votes")]
+        annotators = db.execute("SELECT COUNT(DISTINCT annotator_id) FROM votes").fetchone()[0]
+    assert after == before and annotators == 1
+    assert _outputs(run_dir, "round2/capture")["already_captured"] == before[0]
+
+
 NUMERIC = EvalItem(id="x", prompt="What is 15 + 27?", verifier="numeric", answer="42", group="reasoning", tier=1,
                    options={"tolerance": 0})
 
