@@ -113,6 +113,7 @@ def add_page_routes(app: FastAPI) -> None:
 
     @app.post("/logout")
     async def logout(request: Request) -> Response:
+        _session_user(request)
         _check_csrf(request, await request.form())
         request.session.clear()
         return RedirectResponse("/login", status_code=303)

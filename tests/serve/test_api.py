@@ -23,6 +23,8 @@ ROUTES = [
     ("GET", "/annotate", None),
     ("GET", "/admin", None),
     ("GET", "/", None),
+    ("POST", "/annotate", None),
+    ("POST", "/logout", None),
 ]
 ALLOWED = {"/api/edge-cases": {"ingest", "admin"}, "/api/edge-cases/bulk": {"ingest", "admin"},
            "/api/edge-cases/ec-0/responses": {"ingest", "admin"}, "/api/edge-cases/ec-0": {"ingest", "admin"},

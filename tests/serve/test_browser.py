@@ -43,6 +43,11 @@ def browser(tmp_path):
 def test_annotate_in_the_browser_end_to_end(browser, make_db_url, tmp_path):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
+    from selenium.webdriver.support import expected_conditions as seen
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    def wait_for(element_id: str):  # a submit returns before the next page has loaded
+        return WebDriverWait(browser, 30).until(seen.presence_of_element_located((By.ID, element_id)))
 
     live = start_server(make_db_url("sqlite"), guideline=("2025-01", "Prefer the correct answer. Explain why."))
     try:
@@ -52,6 +57,7 @@ def test_annotate_in_the_browser_end_to_end(browser, make_db_url, tmp_path):
         browser.get(f"{live.url}/login")
         browser.find_element(By.ID, "token").send_keys(live.tokens["annotator"])
         browser.find_element(By.ID, "login").click()
+        wait_for("vote-form")
         assert browser.current_url.endswith("/annotate")
         left, right = (browser.find_element(By.ID, f"response-{side}").text for side in ("a", "b"))
         assert {left, right} == {"41", "42"}
@@ -68,7 +74,7 @@ def test_annotate_in_the_browser_end_to_end(browser, make_db_url, tmp_path):
         assert browser.find_element(By.ID, "reason").get_attribute("required") is not None
         browser.execute_script("document.getElementById('reason').removeAttribute('required')")
         body.send_keys(Keys.CONTROL, Keys.ENTER)
-        error = browser.find_element(By.ID, "error").text
+        error = wait_for("error").text
         assert "reason is required" in error
         assert {browser.find_element(By.ID, f"response-{s}").text for s in ("a", "b")} == {"41", "42"}  # same pair
 
@@ -77,7 +83,7 @@ def test_annotate_in_the_browser_end_to_end(browser, make_db_url, tmp_path):
         reason = browser.find_element(By.ID, "reason")
         reason.send_keys("6 * 7 = 42; the other answer is off by one")
         reason.send_keys(Keys.CONTROL, Keys.ENTER)  # Ctrl+Enter submits from the textarea
-        assert "Vote saved" in browser.find_element(By.ID, "saved").text
+        assert "Vote saved" in wait_for("saved").text
         assert browser.find_elements(By.ID, "no-task")
         browser.save_screenshot(str(ARTIFACTS / "feedback_annotate_done.png"))
     finally:

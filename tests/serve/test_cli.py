@@ -4,8 +4,10 @@ and the import weight of ``--help`` (no web framework, no database driver; train
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
+import time
 
 from posttrain.cli import main
 from posttrain.eval.harness import evaluate
@@ -82,3 +84,39 @@ print(loaded, serve)
     proc = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[] []"
+
+
+def test_serve_feedback_command_starts_with_guidelines(make_db_url, tmp_path):
+    import httpx
+
+    url = make_db_url("sqlite")
+    db = open_db(url)
+    ingest, annotator = db.create_user("ingest", "ingest"), db.create_user("ann", "annotator")
+    db.close()
+    guidelines = tmp_path / "guidelines.md"
+    guidelines.write_text("Prefer the correct answer; say which number is right.\n")
+    assert main(["serve", "feedback", "--db", url, "--guidelines", str(guidelines)]) == 2  # needs a version too
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "feedback", "--db", url, "--port", str(port),
+                             "--guidelines", str(guidelines), "--guidelines-version", "v7"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    base = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            try:
+                if httpx.get(f"{base}/api/me", headers={"Authorization": f"Bearer {ingest}"}).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert proc.poll() is None, proc.stdout.read()
+            time.sleep(0.1)
+        assert httpx.post(f"{base}/api/edge-cases", json=edge_case(),
+                          headers={"Authorization": f"Bearer {ingest}"}).status_code == 201  # fmt: skip
+        task = httpx.get(f"{base}/api/tasks/next", headers={"Authorization": f"Bearer {annotator}"}).json()
+        assert task["guideline"] == {"version": "v7", "text": "Prefer the correct answer; say which number is right.\n"}
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert f"feedback service on http://127.0.0.1:{port}" in out

@@ -12,10 +12,12 @@ from posttrain.cli import main
 from posttrain.data.io import read_records
 from posttrain.serve.db import now, open_db
 from posttrain.serve.export import decide, export_feedback
-from tests.serve.conftest import edge_case
+from posttrain.serve.monitor import admin_stats
+from tests.serve.conftest import BACKENDS, edge_case
 
 
-def _vote(db, user_id: int, case_id: str, winner_text: str | None, reason: str, choice: str | None = None) -> int:
+def _vote(db, user_id: int, case_id: str, winner_text: str | None, reason: str, choice: str | None = None,
+          left_text: str | None = None) -> int:
     """A vote by ``user_id`` on the case's pair (0, 1) for the response whose text is ``winner_text`` (or ``choice``).
 
     The assignment is made here rather than by ``next_task`` so the test can pick the pair; its left/right
@@ -24,6 +26,8 @@ def _vote(db, user_id: int, case_id: str, winner_text: str | None, reason: str, 
     case = db.edge_case(case_id)
     a, b = case["responses"][0]["id"], case["responses"][1]["id"]
     left, right = (a, b) if secrets.randbelow(2) else (b, a)
+    if left_text is not None:
+        left, right = (a, b) if case["responses"][0]["text"] == left_text else (b, a)
     assignment = "t-" + secrets.token_hex(6)
     db.query("INSERT INTO assignments (id, edge_case_id, response_a_id, response_b_id, left_response_id, right_response_id,"
              " annotator_id, guideline_version, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -34,10 +38,10 @@ def _vote(db, user_id: int, case_id: str, winner_text: str | None, reason: str, 
     return db.add_vote(db.task(assignment), choice, reason, user_id)
 
 
-@pytest.fixture
-def voted(make_db_url):
+@pytest.fixture(params=BACKENDS)
+def voted(request, make_db_url):
     """A store with five pairs and votes that exercise every branch of the rule (see the asserts)."""
-    db = open_db(make_db_url("sqlite"))
+    db = open_db(make_db_url(request.param))
     ingest = db.create_user("ingest", "ingest")
     users = {name: db.user_for_token(db.create_user(name, "annotator"))["id"] for name in ("ann1", "ann2", "ann3")}
     del ingest
@@ -150,3 +154,36 @@ def test_feedback_recipe_command_still_works(capsys):
     assert exc.value.code == 0 and "--min-votes" in capsys.readouterr().out
     assert main(["feedback", "export", "--db", "mysql://x", "--out", "/tmp/never"]) == 2
     assert "unsupported database URL" in capsys.readouterr().err
+
+
+def test_admin_numbers_hand_computed(voted):
+    db, _, _ = voted
+    stats = admin_stats(db)
+    assert stats["progress"] == {"edge_cases": 5, "pairs": 5, "pairs_with_1_vote": 5, "pairs_with_2_votes": 4, "votes": 11}
+    assert stats["annotators"] == [{"name": "ann1", "votes": 6, "pairs": 5}, {"name": "ann2", "votes": 4, "pairs": 4},
+                                   {"name": "ann3", "votes": 1, "pairs": 1}]  # fmt: skip
+    # Latest labels (a = response 0): changed b/b, tie tie/tie, bad both_bad (ann1 only), split a/b, chat b/b/a (ann3 a).
+    # ann1 vs ann2 on 4 shared pairs: [b, tie, a, b] vs [b, tie, b, b]: p_o = 3/4,
+    # p_e = (2*3 [b] + 1*1 [tie] + 1*0 [a]) / 16 = 7/16, kappa = (12/16 - 7/16) / (9/16) = 5/9
+    kappas = {tuple(row["annotators"]): (row["shared"], row["kappa"]) for row in stats["agreement"]["cohen_kappa"]}
+    assert kappas[("ann1", "ann2")] == (4, pytest.approx(5 / 9))
+    assert kappas[("ann1", "ann3")] == (1, pytest.approx(0.0))  # b vs a on one pair: p_o = 0 = p_e
+    # alpha over the 4 pairs with >= 2 annotators: o_bb = 2 + 1, o_tt = 2, o_ab = o_ba = 1 + 1; n_b = 5, n_a = 2,
+    # n_tie = 2, n = 9; alpha = 1 - 8 * 4 / (2 * (5*2 + 5*2 + 2*2)) = 1 - 32/48 = 1/3
+    assert stats["agreement"]["krippendorff_alpha"] == pytest.approx(1 / 3)
+    # length: decisive latest votes whose responses differ in length: split red(a)/blue(b) x2, chat Lyon(a)/Paris(b)
+    # x3 -> the longer won for ann2 on split and ann1, ann2 on chat: 3 of 5, two-sided binomial p = 1
+    assert stats["length_bias"] == {"n": 5, "k": 3, "share": 0.6, "p_value": pytest.approx(1.0)}
+    assert stats["position_bias"]["n"] == 7  # every decisive latest vote, whichever side it was shown on
+    assert stats["recent_votes"][0]["reason"] == "I like Lyon"
+
+
+def test_position_bias_counts_the_left_shown_winner(make_db_url):
+    db = open_db(make_db_url("sqlite"))
+    ingest = db.user_for_token(db.create_user("ingest", "ingest"))["id"]
+    users = [db.user_for_token(db.create_user(f"a{i}", "annotator"))["id"] for i in range(4)]
+    case = db.add_edge_case(edge_case("Pick one", ("x", "y")), ingest)["id"]
+    for user, (winner, left) in zip(users, [("x", "x"), ("y", "y"), ("x", "x"), ("x", "y")], strict=True):
+        _vote(db, user, case, winner, "reason", left_text=left)
+    assert admin_stats(db)["position_bias"] == {"n": 4, "k": 3, "share": 0.75, "p_value": pytest.approx(10 / 16)}
+    db.close()
