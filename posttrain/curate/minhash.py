@@ -145,7 +145,8 @@ class MinHasher:
         return hashes, words_per_text
 
     def char_shingle_hashes(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Hashes of ``k``-character shingles of each text's words joined by single spaces.
+        """Hashes of ``k``-byte shingles of each text's words joined by single spaces (UTF-8 bytes:
+        ``k`` characters of ASCII text, fewer of accented or non-Latin text).
 
         The text is lower-cased and cut into words by the same byte rule as ``word_hashes``; every
         run of whitespace and punctuation between two words becomes one space, so formatting and
