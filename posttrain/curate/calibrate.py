@@ -33,6 +33,7 @@ from posttrain.curate.dedup import NearDedupStage
 from posttrain.curate.difficulty import DifficultyStage
 from posttrain.curate.filters import FilterStage
 from posttrain.curate.judge import JudgeStage
+from posttrain.curate.minhash import connected_components
 from posttrain.curate.normalize import NormalizeStage
 from posttrain.curate.rows import Row, row_from_record
 
@@ -104,8 +105,6 @@ def near_dup_quality(
         features = stage.features(rows, f"{scratch}/shard")
         stage.decide([features], np.ones(len(rows), dtype=bool), [r.id for r in rows])
     pairs = stage.verified_pairs
-    from posttrain.curate.minhash import connected_components
-
     labels = connected_components(len(rows), pairs)
     caught = labels[len(records) :] == labels[: len(records)]
     short = np.array([len(r["response"].split()) <= SHORT_WORDS for r in records])

@@ -7,8 +7,11 @@ clustering) runs once in the parent on compact ``uint32`` arrays:
 1. ``word_hashes``: every text is lower-cased and cut into words at ASCII whitespace and
    punctuation; each word gets a polynomial hash, computed for all the bytes of a batch of texts
    at once from one prefix sum (no Python loop over words).
-2. ``shingle_hashes``: overlapping ``k``-word shingles (default 5) are combined from word hashes;
-   texts shorter than ``k`` words get one shingle of all their words.
+2. ``shingle_hashes``: overlapping ``k``-word shingles (``shingle="words"``) are combined from word
+   hashes; texts shorter than ``k`` words get one shingle of all their words. With
+   ``shingle="chars"`` (curate's default) the shingles are ``k``-byte windows of the words joined by
+   single spaces (``char_shingle_hashes``), which see a two-word edit of a short text that 5-word
+   shingles cannot.
 3. ``minhash_signatures``: for all shingles and all ``num_perm`` hash functions at once, as one
    broadcast matrix operation per chunk, then a segmented minimum per text (``np.minimum.reduceat``).
    Broder, "On the resemblance and containment of documents" (1997): for a random hash ``h``,
