@@ -83,6 +83,12 @@ class FiltersConfig(StrictModel):
     repetition_min_words: int = Field(
         default=50, ge=1, description="Repetition rules apply only to texts with at least this many words."
     )
+    repetition_allowance: float = Field(
+        default=4.0,
+        ge=0,
+        description="Coincidental repeats a text may have on top of each repetition limit, whatever its length: "
+        "limits rise by allowance·2n/W (duplicate n-grams) or allowance·n/W (top n-gram) for W words; 0 = Gopher.",
+    )
     banned_phrases: list[str] = Field(
         default_factory=lambda: ["lorem ipsum", "as an ai language model"],
         description="C4-style: case-insensitive phrases that mark boilerplate or canned refusals.",
@@ -97,17 +103,28 @@ class ExactDedupConfig(StrictModel):
 class NearDedupConfig(StrictModel):
     enabled: bool = True
     fields: Literal["prompt", "response", "both"] = "both"
-    shingle_size: int = Field(default=5, ge=1, description="Words per shingle.")
+    shingle: Literal["words", "chars"] = Field(
+        default="chars", description="Shingles of words, or of characters of the words joined by single spaces."
+    )
+    shingle_size: int = Field(default=5, ge=1, description="Words (or characters) per shingle.")
     num_perm: int = Field(default=112, ge=1)
-    bands: int = Field(default=14, ge=1)
-    rows: int = Field(default=8, ge=1)
-    threshold: float = Field(default=0.8, gt=0, le=1, description="Jaccard similarity at which texts are duplicates.")
+    bands: int = Field(default=22, ge=1, description="LSH bands; 22 × 5 finds pairs at Jaccard 0.7 with p ≈ 0.98.")
+    rows: int = Field(default=5, ge=1)
+    threshold: float = Field(default=0.7, gt=0, le=1, description="Jaccard similarity at which texts are duplicates.")
     verify: Literal["exact", "estimate", "none"] = Field(
         default="exact",
         description="How LSH candidates are checked against the threshold: exact shingle-set Jaccard, "
         "the MinHash estimate, or not at all (every candidate is a duplicate).",
     )
     max_bucket: int = Field(default=64, ge=2, description="Larger LSH buckets pair members with the first only.")
+    min_prompt_jaccard: float | None = Field(
+        default=0.8,
+        ge=0,
+        le=1,
+        description="fields=both: a duplicate's prompt must also reach this Jaccard of prompt_shingle_size-word "
+        "shingles (a changed number or name makes a different task, however few characters it is); null: off.",
+    )
+    prompt_shingle_size: int = Field(default=5, ge=1, description="Words per shingle of the prompt check.")
     seed: int = 0
 
     @model_validator(mode="after")
@@ -264,7 +281,9 @@ class DifficultyConfig(StrictModel):
         description="Weight per signal; signals that are unavailable for a record are left out of its mean.",
     )
     tier_thresholds: tuple[float, float] = Field(
-        default=(0.34, 0.6), description="difficulty < t1 → tier 1; < t2 → tier 2; else tier 3."
+        default=(0.1, 0.2),
+        description="difficulty < t1 → tier 1; < t2 → tier 2; else tier 3. Calibrated on real answers "
+        "(posttrain.curate.calibrate): about 40 / 35 / 25 % there.",
     )
     long_response_words: int = Field(default=300, ge=1, description="Response length that counts as fully long.")
     keep_given_tier: bool = Field(
@@ -379,7 +398,11 @@ class FeedbackRecipe(StrictModel):
     feedback: str = Field(description="Edge cases (.jsonl/.json/.parquet): prompt, bad_response, better_response, reason.")
     sft: str | None = Field(default=None, description="Existing SFT set (any record file) to merge into.")
     preferences: str | None = Field(default=None, description="Existing preference set (any record file) to merge into.")
-    near_dedup: NearDedupConfig = Field(default_factory=NearDedupConfig)
+    # Feedback texts are whole chats joined into one string (no prompt/response split for the prompt
+    # check), so merging keeps the 5-word-shingle near-dup rule it was built with.
+    near_dedup: NearDedupConfig = Field(
+        default_factory=lambda: NearDedupConfig(shingle="words", bands=14, rows=8, threshold=0.8, min_prompt_jaccard=None)
+    )
     tier: int | None = Field(default=None, ge=1, le=3, description="Tier given to new records (default: none).")
 
 

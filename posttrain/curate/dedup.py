@@ -30,7 +30,7 @@ from posttrain.curate.config import (
     NearDedupConfig,
     SemanticDedupConfig,
 )
-from posttrain.curate.minhash import MinHasher, connected_components, near_duplicate_clusters
+from posttrain.curate.minhash import MinHasher, connected_components, exact_jaccard, near_duplicate_clusters
 from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
@@ -82,10 +82,10 @@ class ExactDedupStage:
 
 
 class ShingleSets:
-    """Each row's sorted shingle hashes, read lazily from the workers' per-shard files."""
+    """Each row's shingle hashes, read lazily from the workers' per-shard files (``prefix`` picks which set)."""
 
-    def __init__(self, shard_features: list[dict[str, Any]]):
-        self.files = [(np.load(f["values"], mmap_mode="r"), np.load(f["offsets"])) for f in shard_features]
+    def __init__(self, shard_features: list[dict[str, Any]], prefix: str = ""):
+        self.files = [(np.load(f[f"{prefix}values"], mmap_mode="r"), np.load(f[f"{prefix}offsets"])) for f in shard_features]
         self.starts = np.cumsum([0] + [len(offsets) - 1 for _, offsets in self.files])
 
     def __call__(self, position: int) -> np.ndarray:
@@ -96,12 +96,24 @@ class ShingleSets:
 
 
 class NearDedupStage:
+    """MinHash LSH over each row's text (``fields``), candidates verified on shingle-set Jaccard.
+
+    With ``fields: both`` and ``min_prompt_jaccard`` set, a verified pair must also have prompts
+    whose ``prompt_shingle_size``-*word* shingle sets reach that Jaccard. Character shingles make a
+    two-word edit of a short answer a near-duplicate, but they also make templated tasks one:
+    "… This one is about 13 and 1. What is 13 - 1?" and "… about 20 and 5. What is 20 - 5?" differ in
+    a few characters of a long shared preamble. Over words, a changed number or name changes every
+    shingle it is in, so distinct tasks stay apart while an edited answer to the same question does not.
+    """
+
     name = "near_dedup"
 
     def __init__(self, config: NearDedupConfig):
         self.config = config
-        self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed)
+        self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed, shingle=config.shingle)
         self.verified_pairs = np.zeros((0, 2), dtype=np.int64)
+        self.check_prompts = config.fields == "both" and config.min_prompt_jaccard is not None
+        self.prompt_hasher = MinHasher(1, config.prompt_shingle_size, config.seed, shingle="words")
 
     def features(self, rows: list[Row], scratch: str) -> dict[str, Any]:
         exact = self.config.verify == "exact"
@@ -111,6 +123,11 @@ class NearDedupStage:
             np.save(f"{scratch}-shingles.npy", values)
             np.save(f"{scratch}-offsets.npy", offsets)
             features.update(values=f"{scratch}-shingles.npy", offsets=f"{scratch}-offsets.npy")
+        if self.check_prompts:
+            values, offsets = self.prompt_hasher.shingle_sets([row.prompt for row in rows])
+            np.save(f"{scratch}-prompt-shingles.npy", values)
+            np.save(f"{scratch}-prompt-offsets.npy", offsets)
+            features.update(prompt_values=f"{scratch}-prompt-shingles.npy", prompt_offsets=f"{scratch}-prompt-offsets.npy")
         return features
 
     def decide(self, shard_features: list[dict[str, Any]], alive: np.ndarray, ids: Sequence[str]) -> Decisions:
@@ -119,6 +136,13 @@ class NearDedupStage:
             return decisions
         signatures = np.concatenate([f["signatures"] for f in shard_features])
         valid = alive & (signatures[:, 0] != np.uint32(0xFFFFFFFF))  # a text without words matches nothing
+        keep_pair = None
+        if self.check_prompts:
+            prompts, floor = ShingleSets(shard_features, "prompt_"), self.config.min_prompt_jaccard
+
+            def keep_pair(pairs: np.ndarray) -> np.ndarray:
+                return exact_jaccard(pairs, prompts) >= floor
+
         labels, pairs = near_duplicate_clusters(
             signatures,
             self.config.bands,
@@ -128,6 +152,7 @@ class NearDedupStage:
             shingle_set_of=ShingleSets(shard_features) if self.config.verify == "exact" else None,
             valid=valid,
             max_bucket=self.config.max_bucket,
+            keep_pair=keep_pair,
         )
         self.verified_pairs = pairs  # kept for reports and benchmarks
         for position in np.unique(pairs.ravel()):

@@ -12,12 +12,14 @@ weighted mean of its available signals and its tier comes from two thresholds. S
   pair, which the paper filters out (``ifd.drop_above: 1.0``).
 - ``features``: the mean of three surface features, each in [0, 1]: reasoning steps in the response
   (numbered or bulleted lines, connectives; 6 or more = 1), constraints in the prompt (``must``,
-  ``exactly``, ``at least``, formats …; 4 or more = 1) and response length (``long_response_words`` = 1).
+  ``exactly``, ``at least``, formats …; 4 or more = 1) and response length on a log scale (10 words or
+  fewer = 0, ``long_response_words`` = 1; ``length_signal``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Sequence
 
@@ -44,10 +46,22 @@ def constraint_count(prompt: str) -> int:
     return len(_CONSTRAINT.findall(prompt))
 
 
+def length_signal(n_words: int, long_response_words: int, short_response_words: int = 10) -> float:
+    """Response length on a log scale: 0 at ``short_response_words`` or fewer, 1 at ``long_response_words``.
+
+    Log, not linear: on real answers (calibration set: docstrings, reference paragraphs, package
+    descriptions of 12-250 words) a linear scale to 300 words put nearly every answer near 0, so every
+    record landed in tier 1; doubling an answer's length adds the same difficulty at any length.
+    """
+    if n_words <= short_response_words:
+        return 0.0
+    return min(math.log(n_words / short_response_words) / math.log(long_response_words / short_response_words), 1.0)
+
+
 def feature_difficulty(prompt: str, response: str, long_response_words: int) -> float:
     steps = min(reasoning_steps(response) / 6, 1.0)
     constraints = min(constraint_count(prompt) / 4, 1.0)
-    length = min(len(response.split()) / long_response_words, 1.0)
+    length = length_signal(len(response.split()), long_response_words)
     return (steps + constraints + length) / 3
 
 

@@ -95,7 +95,7 @@ def duplicates_of_earlier(texts: list[str], config: NearDedupConfig) -> dict[int
         if texts[position] and value in first_seen:
             found[position] = "exact_duplicate"
         first_seen.setdefault(value, position)
-    hasher = MinHasher(config.num_perm, config.shingle_size, config.seed)
+    hasher = MinHasher(config.num_perm, config.shingle_size, config.seed, shingle=config.shingle)
     signatures, values, offsets = hasher.sign(texts, with_sets=config.verify == "exact")
     labels, _ = near_duplicate_clusters(
         signatures, config.bands, config.rows, config.threshold, verify=config.verify,

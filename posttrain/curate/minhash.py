@@ -7,8 +7,11 @@ clustering) runs once in the parent on compact ``uint32`` arrays:
 1. ``word_hashes``: every text is lower-cased and cut into words at ASCII whitespace and
    punctuation; each word gets a polynomial hash, computed for all the bytes of a batch of texts
    at once from one prefix sum (no Python loop over words).
-2. ``shingle_hashes``: overlapping ``k``-word shingles (default 5) are combined from word hashes;
-   texts shorter than ``k`` words get one shingle of all their words.
+2. ``shingle_hashes``: overlapping ``k``-word shingles (``shingle="words"``) are combined from word
+   hashes; texts shorter than ``k`` words get one shingle of all their words. With
+   ``shingle="chars"`` (curate's default) the shingles are ``k``-byte windows of the words joined by
+   single spaces (``char_shingle_hashes``), which see a two-word edit of a short text that 5-word
+   shingles cannot.
 3. ``minhash_signatures``: for all shingles and all ``num_perm`` hash functions at once, as one
    broadcast matrix operation per chunk, then a segmented minimum per text (``np.minimum.reduceat``).
    Broder, "On the resemblance and containment of documents" (1997): for a random hash ``h``,
@@ -79,10 +82,13 @@ class MinHasher:
         seed: int = 0,
         batch_bytes: int = 1 << 17,
         chunk_shingles: int = 2048,
+        shingle: str = "words",
     ):
         if num_perm < 1 or shingle_size < 1:
             raise ValueError("num_perm and shingle_size must be ≥ 1")
-        self.num_perm, self.shingle_size, self.seed = num_perm, shingle_size, seed
+        if shingle not in ("words", "chars"):
+            raise ValueError(f"shingle must be 'words' or 'chars' (got {shingle!r})")
+        self.num_perm, self.shingle_size, self.seed, self.shingle = num_perm, shingle_size, seed, shingle
         self.batch_bytes, self.chunk_shingles = batch_bytes, chunk_shingles
         rng = np.random.default_rng(seed)
         self._base = _random_uint64(rng, (1,))[0] | np.uint64(1)  # odd, so invertible mod 2^64
@@ -141,8 +147,52 @@ class MinHasher:
         words_per_text = np.bincount(owner, minlength=len(texts)).astype(np.int64)
         return hashes, words_per_text
 
+    def char_shingle_hashes(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Hashes of ``k``-byte shingles of each text's words joined by single spaces (UTF-8 bytes:
+        ``k`` characters of ASCII text, fewer of accented or non-Latin text).
+
+        The text is lower-cased and cut into words by the same byte rule as ``word_hashes``; every
+        run of whitespace and punctuation between two words becomes one space, so formatting and
+        punctuation do not count, and a shingle may span a word boundary. Each ``k``-gram of that
+        stream gets the polynomial hash ``Σ_i (c_i + 1) · B^i`` from one prefix sum, as words do;
+        a text of fewer than ``k`` characters is one shingle. Returns ``(hashes [S] uint64 (not yet
+        mixed), shingles_per_text [n])`` in text order.
+        """
+        encoded = [text.lower().encode("utf-8", "surrogatepass") for text in texts]
+        data = np.frombuffer(b" ".join(encoded), dtype=np.uint8)
+        if data.size == 0:
+            return np.zeros(0, np.uint64), np.zeros(len(texts), np.int64)
+        is_word = _IS_WORD_BYTE[data]
+        owner = np.searchsorted(np.cumsum([len(e) + 1 for e in encoded]), np.arange(data.size), side="right")
+        # A separator byte stays where a word byte follows in the same text and an earlier byte of
+        # that text was a word byte: one space between words, none at either end.
+        next_is_word = np.append(is_word[1:], False)
+        same_text_next = np.append(owner[1:] == owner[:-1], False)
+        seen_word = np.maximum.accumulate(np.where(is_word, np.arange(data.size), -1))
+        after_word = np.append(-1, seen_word[:-1]) >= np.searchsorted(owner, owner, side="left")
+        keep = is_word | (next_is_word & same_text_next & after_word)
+        stream = np.where(is_word[keep], data[keep], np.uint8(32)).astype(np.uint64)
+        stream_owner = owner[keep]
+        per_text = np.bincount(stream_owner, minlength=len(texts)).astype(np.int64)
+        k = self.shingle_size
+        self._ensure_powers(stream.size)
+        prefix = np.zeros(stream.size + 1, dtype=np.uint64)
+        prefix[1:] = (stream + np.uint64(1)) * self._powers[: stream.size]
+        np.add.accumulate(prefix, out=prefix)
+        text_start = np.concatenate(([0], np.cumsum(per_text)[:-1])).astype(np.int64)
+        text_end = text_start + per_text
+        counts = np.where(per_text >= k, per_text - k + 1, np.minimum(per_text, 1))
+        # Start and end of every shingle: k-grams of long texts, the whole of short ones.
+        starts = np.repeat(text_start, counts) + (np.arange(counts.sum()) - np.repeat(np.cumsum(counts) - counts, counts))
+        ends = np.minimum(starts + k, np.repeat(text_end, counts))
+        hashes = (prefix[ends] - prefix[starts]) * self._inverse_powers[starts]
+        return hashes, counts.astype(np.int64)
+
     def shingle_hashes(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """32-bit hashes of ``k``-word shingles: ``(hashes [S] uint64 < 2^32, shingles_per_text [n])``."""
+        """32-bit hashes of ``k``-word (or ``k``-character) shingles: ``(hashes [S] uint64 < 2^32, shingles_per_text [n])``."""
+        if self.shingle == "chars":
+            hashes, counts = self.char_shingle_hashes(texts)
+            return _splitmix64(hashes) & _MASK32, counts
         words, per_text = self.word_hashes(texts)
         k = self.shingle_size
         n_words = words.size
@@ -180,6 +230,16 @@ class MinHasher:
         """MinHash signatures ``[n, num_perm]`` uint32; a text without words gets all ``0xFFFFFFFF``."""
         return self.sign(texts, with_sets=False)[0]
 
+    def _batches(self, texts: Sequence[str]):
+        """``(first, last)`` ranges of whole texts of about ``batch_bytes`` characters (at least one text)."""
+        ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
+        first = 0
+        while first < len(texts):
+            base = ends[first - 1] if first else 0
+            last = max(int(np.searchsorted(ends, base + self.batch_bytes, side="right")), first + 1)
+            yield first, last
+            first = last
+
     def sign(self, texts: Sequence[str], with_sets: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(signatures [n, num_perm], shingle_values, shingle_offsets)``: also each text's shingle
         hashes, ``shingle_values[shingle_offsets[i]:shingle_offsets[i+1]]`` (32-bit, unsorted, with
@@ -188,22 +248,26 @@ class MinHasher:
         out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
         set_parts: list[np.ndarray] = []
         set_sizes = np.zeros(len(texts), dtype=np.int64)
-        lengths = np.fromiter(map(len, texts), dtype=np.int64, count=len(texts))
-        ends = np.cumsum(lengths)
-        first = 0
-        while first < len(texts):
-            # Whole texts until about batch_bytes characters (always at least one text).
-            base = ends[first - 1] if first else 0
-            last = max(int(np.searchsorted(ends, base + self.batch_bytes, side="right")), first + 1)
+        for first, last in self._batches(texts):
             shingles, counts = self.shingle_hashes(texts[first:last])
             out[first:last] = self.signatures_from_shingles(shingles, counts)
             if with_sets:
                 set_parts.append(shingles.astype(np.uint32))
                 set_sizes[first:last] = counts
-            first = last
         values = np.concatenate(set_parts) if set_parts else np.zeros(0, np.uint32)
         offsets = np.concatenate(([0], np.cumsum(set_sizes))).astype(np.int64)
         return out, values, offsets
+
+    def shingle_sets(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """``(shingle_values, shingle_offsets)`` as ``sign`` returns them, without the signatures."""
+        parts: list[np.ndarray] = []
+        sizes = np.zeros(len(texts), dtype=np.int64)
+        for first, last in self._batches(texts):
+            shingles, counts = self.shingle_hashes(texts[first:last])
+            parts.append(shingles.astype(np.uint32))
+            sizes[first:last] = counts
+        values = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        return values, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
 
     def signatures_from_shingles(self, shingles: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Min over shingles of ``(a·x + b) mod 2^64``, shifted to 32 bits: ``[n, num_perm]`` uint32."""
@@ -229,18 +293,40 @@ class MinHasher:
         return out
 
 
-def exact_jaccard(pairs: np.ndarray, shingle_set_of) -> np.ndarray:
-    """Exact Jaccard of each pair from the texts' shingle hashes (``shingle_set_of(i)``, repeats allowed)."""
+def exact_jaccard(pairs: np.ndarray, shingle_set_of, chunk_values: int = 1 << 21) -> np.ndarray:
+    """Exact Jaccard of each pair from the texts' shingle hashes (``shingle_set_of(i)``, repeats allowed).
+
+    Vectorised over pairs: each text's set is deduplicated once; then, chunk by chunk, the two sets
+    of every pair are laid side by side under a ``pair << 32 | value`` key, sorted, and equal
+    neighbours counted, which is ``|A ∩ B|`` (each set has no repeats).
+    """
     out = np.empty(pairs.shape[0], dtype=np.float64)
-    unique: dict[int, np.ndarray] = {}
-    for position, (i, j) in enumerate(pairs):
-        for k in (int(i), int(j)):
-            if k not in unique:
-                unique[k] = np.unique(shingle_set_of(k))
-        a, b = unique[int(i)], unique[int(j)]
-        shared = np.intersect1d(a, b, assume_unique=True).size
-        union = a.size + b.size - shared
-        out[position] = shared / union if union else 0.0
+    if pairs.shape[0] == 0:
+        return out
+    rows, local = np.unique(pairs, return_inverse=True)
+    local = local.reshape(pairs.shape)
+    sets = [np.unique(np.asarray(shingle_set_of(int(row)), dtype=np.uint64)) for row in rows]
+    sizes = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+    starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+    values = np.concatenate(sets) if sets else np.zeros(0, np.uint64)
+    per_pair = sizes[local[:, 0]] + sizes[local[:, 1]]
+    first = 0
+    while first < pairs.shape[0]:
+        last = int(np.searchsorted(np.cumsum(per_pair[first:]), chunk_values, side="right")) + first
+        last = max(last, first + 1)
+        chunk = local[first:last]
+        sides = np.concatenate((chunk[:, 0], chunk[:, 1]))
+        owner = np.concatenate((np.arange(last - first), np.arange(last - first)))
+        lengths = sizes[sides]
+        offsets = np.repeat(starts[sides] - np.concatenate(([0], np.cumsum(lengths)[:-1])), lengths)
+        gathered = values[np.arange(lengths.sum()) + offsets]
+        keys = (np.repeat(owner, lengths).astype(np.uint64) << np.uint64(32)) | gathered
+        keys.sort()
+        equal = keys[1:] == keys[:-1]
+        shared = np.bincount((keys[1:][equal] >> np.uint64(32)).astype(np.int64), minlength=last - first)
+        union = per_pair[first:last] - shared
+        out[first:last] = np.where(union > 0, shared / np.maximum(union, 1), 0.0)
+        first = last
     return out
 
 
@@ -336,6 +422,7 @@ def near_duplicate_clusters(
     shingle_set_of=None,
     valid: np.ndarray | None = None,
     max_bucket: int = 64,
+    keep_pair=None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """Cluster texts into near-duplicate groups. Returns ``(labels [n], verified_pairs [m, 2])``.
 
@@ -343,8 +430,11 @@ def near_duplicate_clusters(
     representative, the first occurrence). Candidate pairs are kept when their Jaccard similarity
     reaches ``threshold``: ``verify="exact"`` computes it from the shingle sets (``shingle_set_of``),
     ``"estimate"`` uses the signature agreement, ``"none"`` keeps every LSH candidate.
+    ``keep_pair(pairs) -> bool mask``, when given, is a further check every pair must pass (run first).
     """
     pairs = lsh_candidate_pairs(signatures, bands, rows, max_bucket=max_bucket, valid=valid)
+    if keep_pair is not None and pairs.size:  # first: a cheap check on small sets thins the candidates
+        pairs = pairs[keep_pair(pairs)]
     if pairs.size and verify == "exact":
         if shingle_set_of is None:
             raise ValueError("verify='exact' needs shingle_set_of")

@@ -38,7 +38,8 @@ def test_tiers_and_signal_mixing():
 
 
 def test_stage_uses_judge_complexity():
-    stage = DifficultyStage(DifficultyConfig(weights={"judge": 1.0, "features": 0.0}))
+    # Thresholds between the judge's three levels (0, 0.5, 1); the defaults are calibrated for mixed signals.
+    stage = DifficultyStage(DifficultyConfig(weights={"judge": 1.0, "features": 0.0}, tier_thresholds=(0.34, 0.6)))
     rows = [row("a", "b", judge_complexity=1), row("a", "b", judge_complexity=2), row("a", "b", judge_complexity=3)]
     stage.apply(rows)
     assert [r.tier for r in rows] == [1, 2, 3] and [r.difficulty for r in rows] == [0.0, 0.5, 1.0]
