@@ -63,6 +63,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.telemetry.trackers", "TrackerUnavailable"),
     ("posttrain.serve.db", "FeedbackDBError"),
     ("posttrain.report.detect", "NotARunDirectory"),
+    ("posttrain.flywheel.stages", "StageInputError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))

@@ -410,7 +410,7 @@ register_recipe(
     "curate",
     CurateRecipe,
     "posttrain.curate.pipeline:run_curate",
-    "Curate instruction data: normalise, filter, dedup, judge, intent, difficulty tiers.",
+    "Curate instruction data: normalise, filter, dedup, judge, model judge, intent, difficulty tiers.",
 )
 register_recipe(
     "sample",

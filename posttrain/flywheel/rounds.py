@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
-from posttrain.flywheel.stages import StageRunner
+from posttrain.flywheel.stages import StageRunner, require_pairs
 
 
 def file_fingerprint(path: str, what: str) -> dict[str, Any]:
@@ -103,10 +103,14 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     exported = stage("export", {}, ["annotate"], lambda out: loop.stage_export(run_dir, out))
 
     def recipe(name: str, base: StageRecipe, extra: dict[str, Any], depends_on: list[str],
-               wiring: dict[str, Any], recipe_name: str | None = None) -> None:
+               wiring: dict[str, Any], check: Callable[[], Any] = lambda: None) -> None:
         merged = StageRecipe(recipe=base.recipe, overrides={**base.overrides, **extra})
-        stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on,
-              lambda out: run_stage(recipe_name or name, merged, {**wiring, "output_dir": str(out)}, out))
+
+        def body(out: Path) -> dict[str, Any]:
+            check()
+            return run_stage(name, merged, {**wiring, "output_dir": str(out)}, out)
+
+        stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on, body)
 
     judge = {"model_judge.enabled": spec.model_judge, "model_judge.model": previous["model"]} if spec.model_judge else {}
     recipe("curate", config.curate, {"intent.enabled": True, **spec.curate}, ["data", start],
@@ -118,9 +122,11 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
             "preferences": str(here / "sample" / "preferences.jsonl")})
     recipe("sft", config.sft, spec.sft, [start, "feedback"],
            {"model.path": previous["model"], "data.train": str(here / "feedback" / "sft.jsonl")})
+    pairs = here / "feedback" / "preferences.jsonl"
     recipe("dpo", config.dpo, spec.dpo, ["sft", "feedback"],
-           {"model.path": str(here / "sft" / "final"), "data.train": str(here / "feedback" / "preferences.jsonl"),
-            "data.eval": None})
+           {"model.path": str(here / "sft" / "final"), "data.train": str(pairs), "data.eval": None},
+           check=lambda: require_pairs(pairs, "neither rejection sampling nor the annotated failures gave a "
+                                       "preference pair; raise next_round.rl_prompts or feedback.samples"))
     evals = {"start": previous["results"]}
     for label in ("sft", "dpo"):
         result = stage(f"eval_{label}", {"eval": dump["eval"], "model": f"{prefix}/{label}"}, [label],

@@ -20,7 +20,7 @@ from posttrain.config.loader import load_config
 from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
 from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
-from posttrain.flywheel.stages import StageRunner
+from posttrain.flywheel.stages import StageRunner, require_pairs
 from posttrain.recipes import find_recipe
 from posttrain.threads import configure_threads
 
@@ -260,13 +260,9 @@ def _later_rounds(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, mo
 
 
 def _pairs(run_dir: Path) -> str:
-    path = run_dir / "sample" / "preferences.jsonl"
-    if not path.exists() or not path.read_text().strip():
-        raise RuntimeError(
-            f"{path}: rejection sampling produced no preference pairs (no prompt had both a better and a worse "
-            "sample); raise data.rl_prompts or the sample stage's sampling.n / temperature"
-        )
-    return str(path)
+    return require_pairs(run_dir / "sample" / "preferences.jsonl",
+                         "rejection sampling produced no preference pairs (no prompt had both a better and a worse "
+                         "sample); raise data.rl_prompts or the sample stage's sampling.n / temperature")
 
 
 def _run_and_list(name: str, stage: StageRecipe, wiring: dict[str, Any], out: Path) -> dict[str, Any]:

@@ -78,3 +78,14 @@ class StageRunner:
 
     def timings(self) -> dict[str, float]:
         return {name: round(result.seconds, 2) for name, result in self.results.items()}
+
+
+class StageInputError(ValueError):
+    """A stage's input cannot be used as configured (exit 2 with one line saying what to change)."""
+
+
+def require_pairs(path: Path, why: str) -> str:
+    """``path`` when it holds preference pairs; else stop before DPO with ``why`` (what to change)."""
+    if not path.exists() or not path.read_text().strip():
+        raise StageInputError(f"{path}: {why}")
+    return str(path)

@@ -51,6 +51,41 @@ def test_every_stage_reads_the_users_files(tmp_path, tiny_model_dir):
     assert json.loads((run_dir / "curate" / "funnel.json").read_text())["input"] == 33
 
 
+def test_a_second_round_on_the_users_files(tmp_path, tiny_model_dir):
+    """Round 2 reads the user's next pool, RL prompts and dev suite; the dev suite's failures go through
+    the service, and the eval is round 1's (the user's) suite."""
+    raw, raw2 = tmp_path / "pool1.jsonl", tmp_path / "pool2.jsonl"
+    for path, word in ((raw, "tree"), (raw2, "lamp")):
+        write_jsonl(str(path), [{"prompt": f"Write the word {word} {1 + i % 3} times.",
+                                 "response": " ".join([word] * (1 + i % 3))} for i in range(30)])
+    prompts, prompts2 = tmp_path / "p1.jsonl", tmp_path / "p2.jsonl"
+    write_records(str(prompts), rl_prompts(8, seed=1))
+    write_records(str(prompts2), rl_prompts(24, seed=2))
+    suite, dev = tmp_path / "suite.jsonl", tmp_path / "dev.jsonl"
+    write_jsonl(str(suite), eval_items(1, seed=9)[:6])
+    dev_items = eval_items(1, seed=4, split="train")[:5]
+    write_jsonl(str(dev), dev_items)
+    run_dir = tmp_path / "run"
+    recipe = yaml.safe_load(reduced_recipe(run_dir).read_text())
+    recipe.update(rounds=2, data={"raw_pool": str(raw), "rl_prompts": str(prompts)}, base={"model": tiny_model_dir},
+                  feedback={"dev_suite": str(dev), "samples": 2, "max_new_tokens": 6},
+                  next_round={"raw_pool": str(raw2), "rl_prompts": str(prompts2), "model_judge": False,
+                              "curate": {"intent.enabled": False}, "sft": {"train.max_steps": 2},
+                              "dpo": {"train.max_steps": 1}})
+    recipe["eval"]["suite"] = str(suite)
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["flywheel", "--config", str(path)]) == 0
+    data = json.loads((run_dir / "round2" / "data" / "stage.json").read_text())["outputs"]
+    assert data == {"raw": str(raw2), "prompts": str(prompts2), "dev_suite": str(dev)}
+    dev_results = json.loads((run_dir / "round2" / "capture" / "dev_results.json").read_text())
+    assert [i["id"] for i in dev_results["items"]] == [i["id"] for i in dev_items]
+    assert json.loads((run_dir / "round2" / "curate" / "funnel.json").read_text())["input"] == 30
+    later = json.loads((run_dir / "round2" / "eval_dpo" / "results.json").read_text())
+    assert len(later["items"]) == 6
+    assert json.loads((run_dir / "rounds.json").read_text())["rounds"][1]["start"] == "round1/dpo"
+
+
 def test_a_missing_user_file_is_one_line_and_exit_2(tmp_path, capsys):
     run_dir = tmp_path / "run"
     recipe = yaml.safe_load(reduced_recipe(run_dir).read_text())
@@ -59,3 +94,20 @@ def test_a_missing_user_file_is_one_line_and_exit_2(tmp_path, capsys):
     path.write_text(yaml.safe_dump(recipe, sort_keys=False))
     assert main(["flywheel", "--config", str(path)]) == 2
     assert "nope.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_no_preference_pairs_stops_before_dpo_with_what_to_change(tmp_path, capsys):
+    from posttrain.cli import report_failure
+    from posttrain.flywheel.stages import StageInputError, require_pairs
+
+    empty = tmp_path / "preferences.jsonl"
+    empty.write_text("")
+    try:
+        require_pairs(empty, "raise next_round.rl_prompts")
+    except StageInputError as exc:
+        assert report_failure(exc, debug=False) == 2
+    else:
+        raise AssertionError("an empty pair set must stop the round")
+    assert "raise next_round.rl_prompts" in capsys.readouterr().err
+    (tmp_path / "more.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
+    assert require_pairs(tmp_path / "more.jsonl", "unused") == str(tmp_path / "more.jsonl")
