@@ -199,6 +199,16 @@ def _points(value: float) -> str:
     return "0.0" if value == 0 else text
 
 
+def verdict_kind(test: dict) -> str:
+    """What one paired test says, as one of ``improvement``, ``regression``, ``no_change``, ``too_few_items``
+    or ``not_significant`` — the one rule behind every wording (``summarize_comparison``, the report's tables)."""
+    if test["significant"]:
+        return "improvement" if test["delta"] > 0 else "regression"
+    if test["n_changed"] == 0:
+        return "no_change"
+    return "too_few_items" if test["too_few_items"] else "not_significant"
+
+
 def _describe(name: str, test: dict, alpha: float, family: str) -> str:
     m = test["family_size"]
     if m > 1:
@@ -208,12 +218,12 @@ def _describe(name: str, test: dict, alpha: float, family: str) -> str:
         interval, p = f"{test['confidence']:.0%} CI", f"p={test['p_value']:.4f}"
     numbers = (f"{test['base']:.1f} -> {test['new']:.1f} ({_points(test['delta'])} points, {interval} "
                f"[{_points(test['ci_low'])}, {_points(test['ci_high'])}], {p})")
-    if test["significant"]:
-        direction = "a significant improvement" if test["delta"] > 0 else "a significant regression"
-        verdict = f"{direction} at the {alpha:g} level"
-    elif test["n_changed"] == 0:
+    kind = verdict_kind(test)
+    if kind in ("improvement", "regression"):
+        verdict = f"a significant {kind} at the {alpha:g} level"
+    elif kind == "no_change":
         verdict = "no change on any item"
-    elif test["too_few_items"]:
+    elif kind == "too_few_items":
         changed = f"{test['n_changed']} item{'s' if test['n_changed'] != 1 else ''} changed"
         level = f"{alpha:g} / {m} {family}" if m > 1 else f"{alpha:g}"
         verdict = (f"too few items to tell: {changed}; at the {level} level at least {test['items_needed']} "

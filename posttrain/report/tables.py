@@ -64,14 +64,17 @@ def _points(value: float) -> str:
 
 
 def verdict(test: dict[str, Any]) -> tuple[str, str]:
-    """A short verdict for a table cell and its CSS class (the same rules as ``eval.stats.summarize_comparison``)."""
-    if test.get("significant"):
-        return ("significant improvement", "up") if test["delta"] > 0 else ("significant regression", "down")
-    if test.get("n_changed") == 0:
+    """A short verdict for a table cell and its CSS class, from ``eval.stats.verdict_kind`` (the same rule as
+    ``summarize_comparison``'s sentences)."""
+    from posttrain.eval.stats import verdict_kind
+
+    kind = verdict_kind(test)
+    if kind in ("improvement", "regression"):
+        return f"significant {kind}", "up" if kind == "improvement" else "down"
+    if kind == "no_change":
         return "no change on any item", "flat"
-    if test.get("too_few_items"):
-        needed = test.get("items_needed")
-        return f"too few items to tell ({test['n_changed']} changed, ≥ {needed} needed)", "few"
+    if kind == "too_few_items":
+        return f"too few items to tell ({test['n_changed']} changed, ≥ {test.get('items_needed')} needed)", "few"
     return "not significant", "flat"
 
 
