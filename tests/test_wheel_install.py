@@ -14,6 +14,7 @@ hook is inert here and ``import posttrain`` can only find the installed wheel, w
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import shutil
@@ -100,3 +101,17 @@ def test_reduced_quickstart_runs_from_the_wheel(installed, elsewhere):
     report = json.loads((elsewhere / "run" / "report.json").read_text())
     assert set(report["scores"]) == {"base", "sft", "dpo"}
     assert (elsewhere / "run" / "report.html").is_file()
+
+
+def test_the_wheel_carries_the_service_templates_and_the_calibration_set(installed, elsewhere):
+    """Package data the code opens at run time: the feedback pages' templates and the curation calibration set."""
+    script = ("import importlib.resources as r, posttrain; "
+              "print(posttrain.__file__); "
+              "print(sorted(p.name for p in r.files('posttrain.serve').joinpath('templates').iterdir())); "
+              "print(sorted(p.name for p in r.files('posttrain.curate').joinpath('calibration').iterdir()))")
+    result = _run([str(installed / "python"), "-c", script], cwd=elsewhere)
+    assert result.returncode == 0, result.stderr[-2000:]
+    where, templates, calibration = result.stdout.strip().splitlines()
+    assert str(installed.parent) in where  # the wheel, not the source tree
+    assert "annotate.html" in templates and "login.html" in templates
+    assert any(name.endswith(".jsonl.gz") for name in ast.literal_eval(calibration))
