@@ -12,14 +12,19 @@
 3. **export**: ``posttrain feedback export`` logic writes preference pairs, SFT examples and the
    ``posttrain feedback`` merge input, each with lineage, from the vote log.
 
-The service runs in this process on 127.0.0.1 at a free port, over the run's SQLite file
-``<run_dir>/feedback.db``; every call goes through its HTTP API, so the flywheel exercises exactly what a
-deployed model's capture hook and a human annotator use.
+The service (``posttrain serve feedback``) runs in its own process on 127.0.0.1 at a free port, over the
+run's SQLite file ``<run_dir>/feedback.db``; every call goes through its HTTP API, so the flywheel
+exercises exactly what a deployed model's capture hook and a human annotator use.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
+import time
 from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,20 +57,53 @@ def _token(db: Any, run_dir: Path, name: str, role: str) -> str:
     return token
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
 @contextmanager
-def feedback_service(run_dir: Path):
-    """``(base_url, db)`` of the run's feedback service, running for the duration of the block."""
-    from posttrain.serve.app import run_in_thread
+def feedback_service(run_dir: Path, guideline: tuple[str, Path] | None = None):
+    """``(base_url, db)`` of the run's feedback service for the duration of the block: ``posttrain serve
+    feedback`` in its own process on 127.0.0.1 (a server thread inside this process shared the GIL with
+    the client and answered ~10x slower), rate limit off (the only client is this process). ``guideline``
+    is ``(version, file)``: shown with every pair and stored with every vote."""
+    import httpx
+
     from posttrain.serve.db import open_db
-    from posttrain.serve.models import Limits
 
     url = db_url(run_dir)
-    db = open_db(url)
-    base_url, stop = run_in_thread(url, Limits(rate=0.0))  # our own loopback client: no rate limit
+    db = open_db(url)  # applies the migrations before the server starts, so users can be created first
+    port = _free_port()
+    command = [sys.executable, "-m", "posttrain", "serve", "feedback", "--db", url, "--port", str(port), "--rate", "0"]
+    if guideline is not None:
+        command += ["--guidelines", str(guideline[1]), "--guidelines-version", guideline[0]]
+    log_path = run_dir / "feedback-server.log"
+    with open(log_path, "ab") as log:
+        server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT,
+                                  env={**os.environ, "OMP_NUM_THREADS": "1"})
+    base_url = f"http://127.0.0.1:{port}"
     try:
+        deadline = time.monotonic() + 60
+        while True:
+            if server.poll() is not None:
+                tail = log_path.read_text(errors="replace")[-1500:]
+                raise RuntimeError(f"the feedback server exited with code {server.returncode}:\n{tail}")
+            try:
+                httpx.get(f"{base_url}/api/me", timeout=2)  # 401 without a token: the server is up
+                break
+            except httpx.TransportError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the feedback server did not answer on {base_url} within 60 s") from None
+                time.sleep(0.1)
         yield base_url, db
     finally:
-        stop()
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
         db.close()
 
 
@@ -165,8 +203,9 @@ def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_
     items = {item.prompt if isinstance(item.prompt, str) else json.dumps(item.prompt): item
              for item in load_suite(dev_suite).items}
     counts: Counter = Counter()
-    with feedback_service(db_dir) as (base_url, db):
-        db.put_guideline(config.feedback.guideline_version, config.feedback.guideline)
+    guideline = out / "guideline.txt"
+    guideline.write_text(config.feedback.guideline, encoding="utf-8")
+    with feedback_service(db_dir, (config.feedback.guideline_version, guideline)) as (base_url, db):
         token = _token(db, db_dir, f"flywheel-verifier-round{round_index}", "annotator")
         with _client(base_url, token) as client:
             while True:
