@@ -62,12 +62,14 @@ def test_failures_go_through_the_service_and_every_vote_has_a_reason(two_rounds)
         cases = db.execute("SELECT signal, source FROM edge_cases").fetchall()
         responses = db.execute("SELECT COUNT(*) FROM responses").fetchone()[0]
         votes = db.execute("SELECT reason, annotator_id FROM votes").fetchall()
+        versions = {row[0] for row in db.execute("SELECT guideline_version FROM votes")}
     assert len(cases) == capture["captured"]
     assert all(json.loads(signal)["type"] == "failed_verifier" and source == "flywheel/round1/dev"
                for signal, source in cases)
     assert responses == capture["captured"] + capture["alternatives"]
     assert len(votes) == annotate["votes"] == capture["alternatives"]  # one vote per (failure, alternative)
     assert all(reason.strip() for reason, _ in votes) and len({a for _, a in votes}) == 1
+    assert versions == {"flywheel-v1"}  # the guideline shown with each pair is recorded with its vote
     exported = _outputs(run_dir, "round2/export")
     assert exported["counts"]["pairs_with_votes"] == annotate["votes"]
 
