@@ -24,13 +24,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="dpo: chosen+rejected double the batch, reference log-probs precomputed; grpo: adds "
                              "the rollout KV cache")
     parser.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
-    parser.add_argument("--ac", choices=("none", "selective", "full"), default="selective",
-                        help="activation checkpointing (recompute) mode")
+    parser.add_argument("--ac", choices=("none", "selective", "op", "full"), default="selective",
+                        help="activation checkpointing: selective = Korthikanti et al. 2022 (attention core "
+                             "recomputed); op = torchtitan's per-op selective AC; full = whole blocks")
     parser.add_argument("--seq", type=int, default=4096, help="tokens per sequence (sft, dpo)")
     parser.add_argument("--micro-batch", type=int, default=1, help="sequences (pairs for dpo) per GPU per micro-step")
     parser.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     parser.add_argument("--no-flash", dest="flash", action="store_false",
                         help="eager attention: the s² attention matrix is stored (unless --ac selective/full)")
+    parser.add_argument("--layers", choices=("hf", "minimal"), default="hf",
+                        help="activation bookkeeping: hf (HF transformers' Llama layers, as posttrain trains them) "
+                             "or minimal (Korthikanti et al. 2022 for a Llama block)")
+    parser.add_argument("--padded", action="store_true",
+                        help="batches carry an attention mask (padding): HF expands K and V to all heads")
     parser.add_argument("--loss-chunk", type=int, default=1024,
                         help="tokens per output-head chunk (train.loss_chunk_size); 0: the whole s·b logits")
     parser.add_argument("--prompt-len", type=int, default=512, help="grpo: prompt tokens")
@@ -88,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = PlanInputs(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node, recipe=args.recipe, offload=args.offload, ac=args.ac,
         seq=args.seq, micro_batch=args.micro_batch, precision=args.precision, flash=args.flash,
+        layers=args.layers, padded=args.padded,
         loss_chunk=args.loss_chunk or None, prompt_len=args.prompt_len, completion_len=args.completion_len,
         rollout_batch=args.rollout_batch, mfu=args.mfu, peak_tflops=args.peak_tflops,
         bandwidth_gbps=args.bandwidth_gbps, store_gbps=args.store_gbps, node_mtbf_hours=args.mtbf_hours,

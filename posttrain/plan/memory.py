@@ -31,6 +31,14 @@ which is 41 for Llama-3 8B in bf16 (kv/h = 1/4, i/h = 3.5). The 5·a·s/h term i
 (softmax output 2, dropout mask 1, dropout output 2): flash / SDPA attention never stores it (``flash=True``, the
 default), selective recompute drops it, and without either it is added. Full recompute keeps the block input
 e·s·b·h per layer plus one layer's working set while that layer is recomputed in backward.
+
+``layers="hf"`` counts what HF transformers' ``LlamaDecoderLayer`` (the model posttrain trains) keeps on top of
+that minimal bookkeeping, read from its code: each ``LlamaRMSNorm`` upcasts to fp32 and keeps that fp32 input
+and the normalised tensor before the weight multiply (4 + e per norm instead of e); the attention output is kept
+twice (SDPA saves its output in head layout, ``o_proj`` its contiguous ``[s, b, h]`` copy: + e); and when an
+attention mask is passed (padded batches), ``repeat_kv`` expands K and V to all heads before SDPA, so they are
+stored at full width (``expanded_kv=True``). Both modes miss the allocator's own overhead and short-lived
+temporaries; tests/plan/test_measured.py compares them with measured runs.
 """
 
 from __future__ import annotations
@@ -71,10 +79,17 @@ def model_states(params: int, largest_unit: int, gpus: int, gpus_per_node: int, 
     raise ValueError(f"offload {offload!r}: expected none, optimizer or params")
 
 
-def layer_activation_coefficient(shape: ModelShape, precision: str = "bf16") -> float:
+def layer_activation_coefficient(shape: ModelShape, precision: str = "bf16", layers: str = "minimal",
+                                 expanded_kv: bool = False) -> float:
     """Bytes per s·b·h one Llama block keeps for backward without recompute, s² terms excluded (docstring)."""
     e = ELEMENT_BYTES[precision]
-    return e * (6 + 2 * shape.kv_fraction + 4 * shape.intermediate_size / shape.hidden_size)
+    kv = 1.0 if expanded_kv else shape.kv_fraction
+    mlp = 4 * shape.intermediate_size / shape.hidden_size
+    if layers == "minimal":
+        return e * (6 + 2 * kv + mlp)
+    if layers == "hf":
+        return 2 * (4 + e) + e * (5 + 2 * kv + mlp)
+    raise ValueError(f"layers {layers!r}: expected minimal or hf")
 
 
 def attention_matrix_bytes(shape: ModelShape, seq: int, batch: int, precision: str = "bf16") -> float:
@@ -82,32 +97,51 @@ def attention_matrix_bytes(shape: ModelShape, seq: int, batch: int, precision: s
     return 5 * shape.num_heads * seq * seq * batch * ELEMENT_BYTES[precision] / 2
 
 
-ActivationPolicy = Callable[[ModelShape, int, int, str, bool], float]
+ActivationPolicy = Callable[..., float]
 ACTIVATION_POLICIES: Registry[ActivationPolicy] = Registry("activation checkpointing mode")
 
 
 @ACTIVATION_POLICIES.register("none")
-def activations_no_recompute(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool) -> float:
+def activations_no_recompute(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
+                             layers: str = "minimal", expanded_kv: bool = False) -> float:
     """All layers keep everything: L · (c·s·b·h + [5·a·s²·b unless flash])."""
-    per_layer = layer_activation_coefficient(shape, precision) * seq * batch * shape.hidden_size
+    per_layer = layer_activation_coefficient(shape, precision, layers, expanded_kv) * seq * batch * shape.hidden_size
     if not flash:
         per_layer += attention_matrix_bytes(shape, seq, batch, precision)
     return shape.num_layers * per_layer
 
 
 @ACTIVATION_POLICIES.register("selective")
-def activations_selective(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool) -> float:
+def activations_selective(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
+                          layers: str = "minimal", expanded_kv: bool = False) -> float:
     """Korthikanti's selective recompute: the attention core is recomputed, L · c·s·b·h (= none with flash)."""
-    return shape.num_layers * layer_activation_coefficient(shape, precision) * seq * batch * shape.hidden_size
+    return shape.num_layers * layer_activation_coefficient(shape, precision, layers, expanded_kv) * seq * batch * shape.hidden_size
 
 
 @ACTIVATION_POLICIES.register("full")
-def activations_full(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool) -> float:
+def activations_full(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
+                     layers: str = "minimal", expanded_kv: bool = False) -> float:
     """Full recompute: L block inputs e·s·b·h plus one block's working set during its backward."""
     e = ELEMENT_BYTES[precision]
     inputs = shape.num_layers * e * seq * batch * shape.hidden_size
-    working = activations_no_recompute(shape, seq, batch, precision, flash) / shape.num_layers
+    working = activations_no_recompute(shape, seq, batch, precision, flash, layers, expanded_kv) / shape.num_layers
     return inputs + working
+
+
+@ACTIVATION_POLICIES.register("op")
+def activations_per_op(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
+                       layers: str = "minimal", expanded_kv: bool = False) -> float:
+    """torchtitan's per-op selective AC (``selective_ac_option = "op"``): inside each block only the outputs of
+    the ops in its save list are kept — every second matmul (wq, wv, w1, w2 in call order; wk, wo, w3 are
+    recomputed) and the SDPA output — plus the block input; everything elementwise (norms, RoPE, SiLU, the
+    gate product) is recomputed. Per layer e·(1 + 1 + kv/h + 1 + i/h + 1)·s·b·h, plus one block's working set
+    while it is recomputed in backward.
+    """
+    e = ELEMENT_BYTES[precision]
+    kv = 1.0 if expanded_kv else shape.kv_fraction
+    kept = e * (4 + kv + shape.intermediate_size / shape.hidden_size) * seq * batch * shape.hidden_size
+    working = activations_no_recompute(shape, seq, batch, precision, flash, layers, expanded_kv) / shape.num_layers
+    return shape.num_layers * kept + working
 
 
 def logits_bytes(shape: ModelShape, seq: int, batch: int, chunk_tokens: int | None = 1024) -> float:

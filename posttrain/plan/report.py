@@ -21,6 +21,8 @@ class PlanInputs:
     micro_batch: int = 1
     precision: str = "bf16"
     flash: bool = True
+    layers: str = "hf"  # hf: HF transformers' Llama layers as posttrain trains them; minimal: Korthikanti-style
+    padded: bool = False  # an attention mask is passed (padded batches): HF expands K, V to all heads
     loss_chunk: int | None = 1024
     prompt_len: int = 512  # GRPO rollouts
     completion_len: int = 1024
@@ -48,7 +50,8 @@ def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
     seq = inputs.prompt_len + inputs.completion_len if inputs.recipe == "grpo" else inputs.seq
     states = memory.model_states(params, shape.largest_unit_params(), inputs.gpus, inputs.gpus_per_node,
                                  inputs.precision, inputs.offload)
-    activations = memory.ACTIVATION_POLICIES.get(inputs.ac)(shape, seq, sequences, inputs.precision, inputs.flash)
+    activations = memory.ACTIVATION_POLICIES.get(inputs.ac)(shape, seq, sequences, inputs.precision, inputs.flash,
+                                                            inputs.layers, inputs.padded and inputs.layers == "hf")
     logits = memory.logits_bytes(shape, seq, sequences, inputs.loss_chunk)
     kv_cache = (memory.kv_cache_bytes(shape, seq, inputs.rollout_batch) if inputs.recipe == "grpo" else 0.0)
     training_transient = states.gathered_gpu + activations + logits
@@ -107,7 +110,7 @@ def format_plan(plan: dict) -> str:
         f"plan: {model['name']} ({model['total_params'] / 1e9:,.2f}B params), {inp['recipe']}, "
         f"{inp['gpus']} GPUs ({run['nodes']} nodes × {inp['gpus_per_node']}), {inp['precision']}, "
         f"seq {inp['seq'] if inp['recipe'] != 'grpo' else inp['prompt_len'] + inp['completion_len']}, "
-        f"micro-batch {inp['micro_batch']}, AC {inp['ac']}, offload {inp['offload']}",
+        f"micro-batch {inp['micro_batch']}, AC {inp['ac']}, offload {inp['offload']}, {inp['layers']} layers",
         "memory per GPU",
         f"  params+grads+Adam (sharded)  {_gib(mem['sharded_states'])}",
         f"  gathered largest unit        {_gib(mem['gathered_unit'])}",
