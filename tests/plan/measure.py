@@ -1,7 +1,10 @@
 """Measure a tiny CPU run's peak RSS next to its baseline, for tests/plan/test_measured.py and docs/plan.md.
 
-``python -m tests.plan.measure baseline MODEL``: RSS high-water mark after the training code's imports and the
-model build (fp32), before any training: the Python/torch/transformers baseline plus the fp32 parameters.
+``python -m tests.plan.measure baseline MODEL``: the resident set after the training code's imports and the
+model build (fp32), before any training: the Python/torch/transformers baseline plus the fp32 parameters. It
+is the *current* RSS (/proc/self/statm), not the high-water mark: loading safetensors maps the file and the
+mapped pages count in RSS while the weights are copied, a transient (about the model's size) that is gone
+before training starts.
 The training increment of a run = its peak_memory_mb (posttrain/train/metrics.py: ru_maxrss on CPU, recorded
 with every step in metrics.jsonl) − this baseline.
 """
@@ -9,11 +12,12 @@ with every step in metrics.jsonl) − this baseline.
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
 def baseline(model_dir: str) -> float:
-    import resource
+    import gc
 
     import posttrain.train.dpo  # noqa: F401  the imports a recipe run makes
     import posttrain.train.loop  # noqa: F401
@@ -23,7 +27,9 @@ def baseline(model_dir: str) -> float:
     load_tokenizer(model_dir)
     model = load_model(model_dir)
     params = sum(p.numel() for p in model.parameters())
-    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    gc.collect()
+    with open("/proc/self/statm") as statm:
+        rss_mb = int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     print(json.dumps({"baseline_rss_mb": rss_mb, "params": params}))
     return rss_mb
 
