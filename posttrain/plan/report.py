@@ -67,7 +67,8 @@ def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
     compute_s = timing.compute_seconds(flops, 1, inputs.mfu, inputs.peak_tflops)  # one micro-batch on one GPU
     traffic = timing.fsdp_bytes_per_gpu(params, inputs.gpus, 2 if inputs.precision == "bf16" else 4, 4)
     comm_s = sum(traffic.values()) / (inputs.bandwidth_gbps * 1e9 / 8)
-    tokens_per_s = seq * sequences * inputs.gpus / compute_s
+    # Communication that does not hide behind compute sets the pace: a micro-batch takes the longer of the two.
+    tokens_per_s = seq * sequences * inputs.gpus / max(compute_s, comm_s)
     comms = {**traffic, "total_bytes": sum(traffic.values()), "seconds": comm_s, "compute_seconds": compute_s,
              "hidden": comm_s <= compute_s}
 
@@ -130,14 +131,16 @@ def format_plan(plan: dict) -> str:
         f"{comm['reduce_scatter'] / 1e9:,.1f} GB: {comm['seconds']:,.2f} s at {inp['bandwidth_gbps']:g} Gb/s vs "
         f"compute {comm['compute_seconds']:,.2f} s: {'hidden' if comm['hidden'] else 'NOT hidden (communication-bound)'}",
         "time and goodput",
-        f"  throughput        {run['tokens_per_s']:,.0f} tokens/s at MFU {inp['mfu']:g} × {inp['peak_tflops']:g} TFLOP/s",
+        f"  throughput        {run['tokens_per_s']:,.0f} tokens/s (MFU {inp['mfu']:g} × {inp['peak_tflops']:g} TFLOP/s, "
+        f"or the communication time where it is longer)",
         f"  checkpoint        {run['checkpoint_bytes'] / 1e9:,.0f} GB, save {run['checkpoint_save_s']:,.0f} s at "
         f"{inp['store_gbps']:g} Gb/s",
         f"  interruptions     {run['unannounced_interruptions_per_hour']:.3g}/h unannounced, "
         f"{run['announced_interruptions_per_hour']:.3g}/h with notice ({run['spot_nodes']} spot nodes)",
         f"  save every        {_hours(run['checkpoint_interval_s'])} (Young/Daly)",
         f"  goodput           {run['goodput']:.1%}",
-        f"  run               {inp['train_tokens']:.3g} tokens: {run['wall_hours']:,.1f} h wall, "
-        f"${run['cost_dollars']:,.0f} at ${run['price_per_gpu_hour']:.2f}/GPU-h",
+        f"  run               {inp['train_tokens']:.3g} tokens: " + (
+            f"{run['wall_hours']:,.1f} h wall, ${run['cost_dollars']:,.0f} at ${run['price_per_gpu_hour']:.2f}/GPU-h"
+            if math.isfinite(run["wall_hours"]) else "never finishes: interruptions eat all the time"),
     ]
     return "\n".join(lines)
