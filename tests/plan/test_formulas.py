@@ -118,3 +118,14 @@ def test_young_daly_and_goodput():
     best = timing.best_interval(60, too_short)
     assert timing.goodput(best, 60, too_short) > timing.goodput(best / 2, 60, too_short)
     assert timing.goodput(best, 60, too_short) > timing.goodput(best * 2, 60, too_short)
+
+
+def test_hf_layer_bookkeeping_and_per_op_recompute():
+    tiny = ModelShape("measured", 512, 1376, 8, 8, 4, 384)  # the shape tests/plan/test_measured.py trains
+    # fp32: norms 2·(4 + 4) = 16, plus 4·(5 + 2·0.5 + 4·2.6875) = 4·16.75 = 67 → 83; K, V expanded: 4·17.75 + 16 = 87.
+    assert memory.layer_activation_coefficient(tiny, "fp32", "hf") == 83.0
+    assert memory.layer_activation_coefficient(tiny, "fp32", "hf", expanded_kv=True) == 87.0
+    # torchtitan's per-op AC, Llama-3 8B bf16: 2·(4 + 0.25 + 3.5) = 15.5 per s·b·h per layer, plus one block's 41.
+    sbh = 8192 * 2 * 4096
+    op = memory.ACTIVATION_POLICIES.get("op")(LLAMA_8B, 8192, 2, "bf16", True)
+    assert op == 32 * 15.5 * sbh + 41 * sbh
