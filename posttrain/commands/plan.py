@@ -23,6 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
                         help="dpo: chosen+rejected double the batch, reference log-probs precomputed; grpo: adds "
                              "the rollout KV cache")
+    parser.add_argument("--reference", choices=("none", "live"), default="none",
+                        help="none: DPO reference log-probs precomputed (default), GRPO without KL; live: a frozen "
+                             "reference model sharded like the policy (dpo.reference=live, GRPO with rl.kl_beta > 0)")
     parser.add_argument("--offload", choices=("none", "optimizer", "params"), default="none")
     parser.add_argument("--ac", choices=("none", "selective", "op", "full"), default="selective",
                         help="activation checkpointing: selective = Korthikanti et al. 2022 (attention core "
@@ -94,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     inputs = PlanInputs(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node, recipe=args.recipe, offload=args.offload, ac=args.ac,
         seq=args.seq, micro_batch=args.micro_batch, precision=args.precision, flash=args.flash,
-        layers=args.layers, padded=args.padded,
+        layers=args.layers, padded=args.padded, reference=args.reference,
         loss_chunk=args.loss_chunk or None, prompt_len=args.prompt_len, completion_len=args.completion_len,
         rollout_batch=args.rollout_batch, mfu=args.mfu, peak_tflops=args.peak_tflops,
         bandwidth_gbps=args.bandwidth_gbps, store_gbps=args.store_gbps, node_mtbf_hours=args.mtbf_hours,

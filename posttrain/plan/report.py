@@ -22,6 +22,7 @@ class PlanInputs:
     precision: str = "bf16"
     flash: bool = True
     layers: str = "hf"  # hf: HF transformers' Llama layers as posttrain trains them; minimal: Korthikanti-style
+    reference: str = "none"  # live: a frozen reference model sharded like the policy (DPO live, GRPO with KL)
     padded: bool = False  # an attention mask is passed (padded batches): HF expands K, V to all heads
     loss_chunk: int | None = 1024
     prompt_len: int = 512  # GRPO rollouts
@@ -54,12 +55,14 @@ def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
                                                             inputs.layers, inputs.padded and inputs.layers == "hf")
     logits = memory.logits_bytes(shape, seq, sequences, inputs.loss_chunk)
     kv_cache = (memory.kv_cache_bytes(shape, seq, inputs.rollout_batch) if inputs.recipe == "grpo" else 0.0)
+    # A live reference is frozen: its parameters only, sharded like the policy, in the compute dtype.
+    reference = (memory.ELEMENT_BYTES[inputs.precision] * params / inputs.gpus if inputs.reference == "live" else 0.0)
     training_transient = states.gathered_gpu + activations + logits
     # Rollouts and the training step do not overlap in time: the peak is the larger of the two on top of states.
-    peak = states.sharded_gpu + max(training_transient, states.gathered_gpu + kv_cache)
+    peak = states.sharded_gpu + reference + max(training_transient, states.gathered_gpu + kv_cache)
     memory_part = {
         "sharded_states": states.sharded_gpu, "gathered_unit": states.gathered_gpu, "activations": activations,
-        "logits": logits, "reference_model": 0.0, "rollout_kv_cache": kv_cache, "peak_per_gpu": peak,
+        "logits": logits, "reference_model": reference, "rollout_kv_cache": kv_cache, "peak_per_gpu": peak,
         "host_per_node": states.host_per_node,
     }
 
@@ -118,7 +121,9 @@ def format_plan(plan: dict) -> str:
         f"  activations                  {_gib(mem['activations'])}",
         f"  logits (chunked head)        {_gib(mem['logits'])}",
     ]
-    if inp["recipe"] == "dpo":
+    if inp["reference"] == "live":
+        lines.append(f"  reference model (live)       {_gib(mem['reference_model'])}")
+    elif inp["recipe"] == "dpo":
         lines.append("  reference model              0.0 GiB (log-probs precomputed; chosen+rejected double the batch)")
     if inp["recipe"] == "grpo":
         lines.append(f"  rollout KV cache             {_gib(mem['rollout_kv_cache'])} (batch {inp['rollout_batch']})")

@@ -37,6 +37,11 @@ def test_grpo_adds_the_rollout_kv_cache(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert json.loads(out.read_text())["memory_bytes"]["rollout_kv_cache"] == 1_610_612_736  # 1.5 GiB, by hand
     assert "rollout KV cache" in proc.stdout
+    live = _plan("--model", "llama3-8b", "--gpus", "8", "--recipe", "grpo", "--reference", "live", "--json", str(out))
+    assert live.returncode == 0, live.stderr
+    memory = json.loads(out.read_text())["memory_bytes"]
+    assert memory["reference_model"] == 2 * 8_030_261_248 / 8  # frozen bf16 params, sharded over 8
+    assert "reference model (live)" in live.stdout
 
 
 def test_bad_preset_is_one_line_and_exit_2():
