@@ -5,6 +5,11 @@ posttrain/train/metrics.py) minus the baseline RSS of a process that made the sa
 fp32 model (tests/plan/measure.py). The plan's share of it: everything but the fp32 parameters the baseline
 already holds, i.e. gradients 4 B + Adam m, v 8 B per parameter, activations (HF layers, fp32, no recompute)
 and the chunked head's logits. Each sequence is cut to exactly ``SEQ`` tokens, so s·b is known.
+
+The processes run with ``MALLOC_MMAP_THRESHOLD_=65536``: every allocation of 64 KiB or more is its own mapping,
+returned to the system when freed, so RSS follows the live tensors. With glibc's default (a threshold that grows
+as large blocks are freed, which are then kept) the same SFT peaked anywhere between 927 and 987 MiB in repeated
+runs, which is allocator retention, not training state (docs/plan.md gives both figures).
 """
 
 from __future__ import annotations
@@ -20,6 +25,10 @@ from posttrain.plan.shapes import load_shape
 from tests.train.conftest import ROOT, env
 
 SEQ, BATCH = 64, 8
+
+
+def _env() -> dict[str, str]:
+    return {**env(), "MALLOC_MMAP_THRESHOLD_": "65536"}
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +47,7 @@ def measured_model(tmp_path_factory):
              for i in range(2 * BATCH)]
     for name, rows in (("sft.jsonl", sft), ("pairs.jsonl", pairs)):
         (root / name).write_text("".join(json.dumps(row) + "\n" for row in rows))
-    proc = subprocess.run([sys.executable, "-m", "tests.plan.measure", "baseline", str(model)], cwd=ROOT, env=env(),
+    proc = subprocess.run([sys.executable, "-m", "tests.plan.measure", "baseline", str(model)], cwd=ROOT, env=_env(),
                           capture_output=True, text=True, timeout=300, check=True)
     baseline = json.loads(proc.stdout.strip().splitlines()[-1])
     return root, str(model), baseline
@@ -48,7 +57,7 @@ def _run(recipe: str, overrides: dict[str, object], out) -> float:
     settings = {"output_dir": str(out), "train.batch_size": BATCH, "train.max_length": SEQ, "train.max_steps": 2,
                 "train.lr": 1e-3, "train.seed": 0, "metrics.tensorboard": "false", **overrides}
     command = [sys.executable, "-m", "posttrain", recipe, *(f"{k}={v}" for k, v in settings.items())]
-    proc = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return records[-1]["peak_memory_mb"]  # step 2: the Adam state exists from the first update on
