@@ -103,7 +103,7 @@ def _gib(value: float) -> str:
     return f"{value / GIB:,.1f} GiB"
 
 
-def _hours(seconds: float) -> str:
+def _minutes(seconds: float) -> str:
     return "never (no failures)" if math.isinf(seconds) else f"{seconds / 60:,.1f} min"
 
 
@@ -142,7 +142,7 @@ def format_plan(plan: dict) -> str:
         f"{inp['store_gbps']:g} Gb/s",
         f"  interruptions     {run['unannounced_interruptions_per_hour']:.3g}/h unannounced, "
         f"{run['announced_interruptions_per_hour']:.3g}/h with notice ({run['spot_nodes']} spot nodes)",
-        f"  save every        {_hours(run['checkpoint_interval_s'])} (Young/Daly)",
+        f"  save every        {_minutes(run['checkpoint_interval_s'])} (Young/Daly)",
         f"  goodput           {run['goodput']:.1%}",
         f"  run               {inp['train_tokens']:.3g} tokens: " + (
             f"{run['wall_hours']:,.1f} h wall, ${run['cost_dollars']:,.0f} at ${run['price_per_gpu_hour']:.2f}/GPU-h"
