@@ -34,6 +34,7 @@ _COMMAND_MODULES = (
     "posttrain.commands.report",
     "posttrain.commands.launch",
     "posttrain.commands.k8s",
+    "posttrain.commands.plan",
     "posttrain.generate.cli",
     "posttrain.eval.cli",
     "posttrain.serve.cli",
