@@ -94,6 +94,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         f"the PodMonitor's (default {DEFAULT_METRICS_PORT})")
     extras.add_argument("--podmonitor", action=argparse.BooleanOptionalAction, default=True,
                         help="write podmonitor.yaml (default: yes; --no-podmonitor without prometheus-operator)")
+    extras.add_argument("--plan", metavar="PLAN.json",
+                        help="a `posttrain plan --json` file: checked against --nodes, --gpus-per-node and --memory "
+                        "(offloaded host memory), and quoted in every object's posttrain.dev/plan annotation")
     parser.add_argument("--out", metavar="DIR",
                         help="write the files into DIR (replacing manifests of an earlier render there); "
                         "default: print every document to stdout")
@@ -112,7 +115,7 @@ def options_from_args(args: argparse.Namespace):
         grace_period_s=args.grace_period_s, from_run=args.from_run, s3_secret=args.s3_secret,
         output_dir=args.output_dir, cpu=args.cpu, memory=args.memory, shm_size=args.shm_size,
         metrics_port=args.metrics_port, max_restarts=args.max_restarts, backoff_limit=args.backoff_limit,
-        podmonitor=args.podmonitor)
+        podmonitor=args.podmonitor, plan=args.plan)
 
 
 def _render(args: argparse.Namespace) -> int:

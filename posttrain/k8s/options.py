@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from posttrain import __version__
 
@@ -85,6 +86,7 @@ class RenderOptions:
     max_restarts: int = 5
     backoff_limit: int = 3
     podmonitor: bool = True
+    plan: str | None = None  # a `posttrain plan --json` file the manifests quote (and are checked against)
 
     @property
     def on_demand_workers(self) -> int:
@@ -121,6 +123,52 @@ def check_options(options: RenderOptions) -> None:
         raise RenderError("--max-restarts and --backoff-limit must be 0 or more")
     if not options.spot_selectors and options.spot_workers:
         raise RenderError("--spot-workers needs at least one --spot-selector")
+    quantity_bytes(options.memory)
+    plan_annotations(options)  # a plan for another shape, or more host memory than requested, stops here
+
+
+_QUANTITY = re.compile(r"^(\d+(?:\.\d+)?)(Ki|Mi|Gi|Ti|K|M|G|T)?$")
+_UNITS = {None: 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+          "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+PLAN_ANNOTATION = "posttrain.dev/plan"
+
+
+def quantity_bytes(text: str) -> int:
+    """A Kubernetes memory quantity (``64Gi``, ``512M``, ``1e3`` not accepted) in bytes."""
+    match = _QUANTITY.match(text)
+    if match is None:
+        raise RenderError(f"--memory {text!r}: a Kubernetes quantity such as 64Gi or 512Mi")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def plan_annotations(options: RenderOptions) -> dict[str, str]:
+    """The plan's figures as annotations, after checking the plan was made for this shape: the same GPUs and
+    GPUs per node, and host memory per node within ``--memory`` (with offload, the plan's host share)."""
+    import json
+
+    if options.plan is None:
+        return {}
+    try:
+        plan = json.loads(Path(options.plan).read_text(encoding="utf-8"))
+        inputs, memory, run = plan["inputs"], plan["memory_bytes"], plan["run"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise RenderError(f"--plan {options.plan}: not a `posttrain plan --json` file ({exc})") from None
+    gpus = options.nodes * options.gpus_per_node
+    if (inputs["gpus"], inputs["gpus_per_node"]) != (gpus, options.gpus_per_node):
+        raise RenderError(f"--plan {options.plan} is for {inputs['gpus']} GPUs, {inputs['gpus_per_node']} per node; "
+                          f"these manifests are for {gpus} ({options.nodes} nodes x {options.gpus_per_node}): "
+                          "re-plan, or change --nodes / --gpus-per-node")
+    if memory["host_per_node"] > quantity_bytes(options.memory):
+        raise RenderError(f"--memory {options.memory}: the plan offloads {memory['host_per_node'] / 2**30:.1f} GiB "
+                          "to host memory per node; raise --memory above it")
+    summary = {
+        "model": plan["model"]["name"], "recipe": inputs["recipe"], "gpus": inputs["gpus"],
+        "peak_gib_per_gpu": round(memory["peak_per_gpu"] / 2**30, 1),
+        "host_gib_per_node": round(memory["host_per_node"] / 2**30, 1),
+        "checkpoint_interval_min": round(run["checkpoint_interval_s"] / 60, 1),
+        "goodput": round(run["goodput"], 3), "spot_nodes": run["spot_nodes"],
+    }  # fmt: skip
+    return {PLAN_ANNOTATION: json.dumps(summary, separators=(",", ":"))}
 
 
 def job_name(options: RenderOptions, recipe: str) -> str:

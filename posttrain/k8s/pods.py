@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from posttrain.k8s.options import CapacitySelector, RenderOptions
+from posttrain.k8s.options import CapacitySelector, RenderOptions, plan_annotations
 
 SPOT, ON_DEMAND = "spot", "on-demand"
 RECIPE_DIR = "/etc/posttrain"
@@ -49,6 +49,8 @@ def metadata(name: str, options: RenderOptions, object_labels: dict[str, str]) -
     if options.namespace:
         out["namespace"] = options.namespace
     out["labels"] = dict(object_labels)
+    if options.plan:  # every object of the run quotes the plan it was sized by (`posttrain plan --json`)
+        out["annotations"] = plan_annotations(options)
     return out
 
 

@@ -238,3 +238,39 @@ def test_cluster_training_runtime_is_referenced_by_kind():
                                          "name": runtime["metadata"]["name"]}
     assert job["metadata"]["namespace"] == "ml"
     assert "namespace" not in runtime["metadata"]  # cluster-scoped
+
+
+def _plan(tmp_path, *flags: str, model: str = "llama3-8b"):
+    path = tmp_path / f"plan-{len(list(tmp_path.glob('plan-*')))}.json"
+    assert main(["plan", "--model", model, *flags, "--json", str(path)]) == 0
+    return path
+
+
+def test_a_plan_is_checked_against_the_shape_and_quoted_in_every_object(tmp_path, capsys):
+    plan = _plan(tmp_path, "--gpus", "16", "--gpus-per-node", "8")
+    capsys.readouterr()
+    files = render(_options(plan=str(plan)))
+    saved = json.loads(plan.read_text())
+    docs = [doc for documents in files.values() for doc in documents]
+    quoted = {doc["metadata"]["annotations"]["posttrain.dev/plan"] for doc in docs}
+    assert len(quoted) == 1
+    summary = json.loads(quoted.pop())
+    assert summary["gpus"] == 16 and summary["model"] == "llama3-8b"
+    assert summary["peak_gib_per_gpu"] == round(saved["memory_bytes"]["peak_per_gpu"] / 2**30, 1)
+    assert summary["checkpoint_interval_min"] == round(saved["run"]["checkpoint_interval_s"] / 60, 1)
+    assert not [e for doc in docs for e in schema_errors(doc)]  # annotations keep every document valid
+
+    wrong = _plan(tmp_path, "--gpus", "32", "--gpus-per-node", "8")
+    with pytest.raises(RenderError, match="is for 32 GPUs"):
+        render(_options(plan=str(wrong)))
+
+
+def test_a_plan_that_offloads_more_than_the_memory_request_is_refused(tmp_path, capsys):
+    plan = _plan(tmp_path, "--gpus", "16", "--gpus-per-node", "8", "--offload", "optimizer", model="llama3-70b")
+    host = json.loads(plan.read_text())["memory_bytes"]["host_per_node"]
+    assert host > 64 * 2**30  # the example is built so that the default 64Gi cannot hold it
+    code = main(["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8",
+                 "--output-dir", OUT, "--plan", str(plan)])
+    assert code == 2 and "raise --memory" in capsys.readouterr().err
+    enough = f"{int(host / 2**30) + 8}Gi"
+    assert render(_options(plan=str(plan), memory=enough))
