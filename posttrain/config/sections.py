@@ -99,7 +99,15 @@ class TrainConfig(StrictModel):
         default=None, ge=1, description="Evaluate on data.eval every N steps (and always at the end)."
     )
     precision: Literal["fp32", "bf16"] = "fp32"
-    cpu_offload: bool = False
+    cpu_offload: bool = Field(
+        default=False, description="FSDP2 keeps parameters, gradients and optimizer state in host memory "
+        "(pinned where an accelerator exists); needs FSDP.",
+    )
+    activation_offload: bool = Field(
+        default=False, description="Tensors saved for backward wait in host memory between forward and backward "
+        "(with activation checkpointing: only the checkpointed blocks' inputs). Same numbers, less device memory, "
+        "more host traffic.",
+    )
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     ac_every: int = Field(default=2, ge=1, description="Selective checkpointing: every k-th block.")
     recompute_mlp: bool = Field(

@@ -15,6 +15,7 @@ checkpoint and restored on resume and on a health-guard rollback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -41,6 +42,7 @@ from posttrain.train.checkpoint import (
 )
 from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.metrics import MetricsSink, RunSummary, cut_logs, mfu, peak_flops, peak_memory_mb
+from posttrain.train.offload import ActivationOffload
 from posttrain.train.precision import autocast
 from posttrain.train.schedule import lr_multiplier
 from posttrain.train.source import LossFn, StepBatch, StepSource
@@ -70,6 +72,7 @@ class LoopSettings:
     health: HealthGuard
     alerts: Alerts
     max_rollbacks: int = 5
+    activation_offload: bool = False  # train.activation_offload: saved activations wait in host memory
     skip_steps: frozenset[int] = frozenset()
     eval_every: int | None = None
     evaluate: Evaluate | None = None  # held-out figures ({"loss": …}); logged as eval/<key>
@@ -125,6 +128,7 @@ class UpdateResult:
     ok: bool
     reason: str
     rollback: bool
+    offloaded_tensors: int = 0  # saved tensors this rank's forwards sent to host memory (train.activation_offload)
 
 
 def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any], normalizer: float, step: int,
@@ -134,8 +138,10 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
     device = dist.device()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     metric_totals: dict[str, torch.Tensor] = {}
+    # Only around the forward: backward unpacks through the hooks recorded when each tensor was saved.
+    offload = ActivationOffload() if settings.activation_offload else contextlib.nullcontext()
     for batch in micro_batches:
-        with autocast(settings.precision, settings.sharded):
+        with autocast(settings.precision, settings.sharded), offload:
             loss_sum, metrics = loss_fn(model, batch)
         loss = loss_sum / normalizer
         if step in settings.nan_steps:
@@ -161,7 +167,7 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
                              message=f"step {step}: update skipped by the health guard: {verdict.reason}")
     optimizer.zero_grad(set_to_none=True)
     return UpdateResult(loss_value, grad_value, dict(zip(metric_totals, values[1:], strict=True)), verdict.ok,
-                        verdict.reason, verdict.rollback)
+                        verdict.reason, verdict.rollback, getattr(offload, "offloaded", 0))
 
 
 class _Run:
@@ -301,6 +307,8 @@ def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: fl
     }
     if len(updates) > 1:
         record["updates"] = len(updates)
+    if settings.activation_offload:
+        record["offloaded_tensors"] = sum(u.offloaded_tensors for u in updates)
     return record
 
 

@@ -14,6 +14,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from posttrain import dist
 from posttrain.models.blocks import decoder_layers, recompute_gated_mlp
+from posttrain.train.offload import accelerator_available
 
 
 def uses_fsdp(fsdp: str) -> bool:
@@ -63,7 +64,8 @@ def parallelize(
         )
         kwargs: dict[str, object] = {"mp_policy": mp}
         if cpu_offload:
-            kwargs["offload_policy"] = CPUOffloadPolicy()
+            # pin_memory() needs an accelerator: on a CPU-only machine it raises from inside FSDP.
+            kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator_available())
         for block in layers:
             fully_shard(block, **kwargs)
         fully_shard(root, **kwargs)

@@ -239,6 +239,7 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         log_every=train.log_every,
         precision=train.precision,
         sharded=uses_fsdp(train.fsdp),
+        activation_offload=train.activation_offload,
         params_for_mfu=count_parameters(lm, exclude_embeddings=True),
         peak_flops=train.peak_flops,
         identity=run.identity.to_dict(),
