@@ -8,6 +8,7 @@ or gradient moves the loss by far more after a few steps at lr 1e-3.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -30,8 +31,6 @@ def _loss_and_grads(model: torch.nn.Module, input_ids: torch.Tensor, context) ->
 
 
 def test_activation_offload_keeps_loss_and_gradients_and_moves_fewer_tensors_under_checkpointing(tiny_model_dir):
-    import contextlib
-
     from transformers import AutoModelForCausalLM
 
     from posttrain.models.blocks import decoder_layers
