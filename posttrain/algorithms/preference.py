@@ -90,9 +90,16 @@ def _lengths(
         )
     lc = _as_f32("chosen_lengths", chosen_lengths, like)
     lr = _as_f32("rejected_lengths", rejected_lengths, like)
-    if bool((lc <= 0).any()) or bool((lr <= 0).any()):
+    if _host_readable(lc) and (bool((lc <= 0).any()) or bool((lr <= 0).any())):
         raise ValueError(f"preference loss {loss!r}: every response length must be at least 1 token")
     return lc, lr
+
+
+def _host_readable(tensor: torch.Tensor) -> bool:
+    """Whether a value check on ``tensor`` is free: on the CPU it is; on an accelerator reading it waits
+    for the device (a host sync per micro-batch), so there the lengths are checked where they are built,
+    from host integers (``posttrain.train.pairs.collate_pairs``)."""
+    return tensor.device.type == "cpu"
 
 
 def _check_smoothing(loss: str, epsilon: float, upper: float) -> None:
@@ -393,7 +400,7 @@ def chosen_sft_term(
     """
     nll = _as_f32("chosen_nll_sums", chosen_nll_sums)
     lengths = _as_f32("chosen_lengths", chosen_lengths, nll)
-    if bool((lengths <= 0).any()):
+    if _host_readable(lengths) and bool((lengths <= 0).any()):
         raise ValueError("chosen_sft_term: every chosen response length must be at least 1 token")
     return sft_weight * nll / lengths
 
@@ -408,8 +415,10 @@ def preference_metrics(
     beta: float,
     chosen_lengths: torch.Tensor | None = None,
     rejected_lengths: torch.Tensor | None = None,
-) -> dict[str, float]:
-    """Per-step metrics as floats, averaged over the pairs given (average across ranks yourself).
+) -> dict[str, torch.Tensor]:
+    """Per-step metrics as 0-dim tensors on the inputs' device, averaged over the pairs given (average
+    across ranks yourself). Tensors, not floats: the training loop sums them on the device and reads them
+    once per optimizer step, not once per micro-batch.
 
     - ``rewards/chosen``, ``rewards/rejected``: implicit rewards ``β·(π − ref)``. Without a reference
       (SimPO/ORPO) the reward is SimPO's ``β·π/|y|`` (or ``β·π`` when no lengths are given).
@@ -432,16 +441,16 @@ def preference_metrics(
         reward_c, reward_r = (beta * pc / lc, beta * pr / lr) if has_lengths else (beta * pc, beta * pr)
     margin = reward_c - reward_r
     metrics = {
-        "rewards/chosen": float(reward_c.mean()),
-        "rewards/rejected": float(reward_r.mean()),
-        "rewards/margin": float(margin.mean()),
-        "rewards/accuracy": float((margin > 0).float().mean()),
-        "logps/chosen": float(pc.mean()),
-        "logps/rejected": float(pr.mean()),
+        "rewards/chosen": reward_c.mean(),
+        "rewards/rejected": reward_r.mean(),
+        "rewards/margin": margin.mean(),
+        "rewards/accuracy": (margin > 0).float().mean(),
+        "logps/chosen": pc.mean(),
+        "logps/rejected": pr.mean(),
     }
     if rho_c is not None:
         if has_lengths:
-            metrics["kl_to_ref"] = float((rho_c.sum() + rho_r.sum()) / (lc.sum() + lr.sum()))
+            metrics["kl_to_ref"] = (rho_c.sum() + rho_r.sum()) / (lc.sum() + lr.sum())
         else:
-            metrics["kl_to_ref"] = float((rho_c + rho_r).mean() / 2)
+            metrics["kl_to_ref"] = (rho_c + rho_r).mean() / 2
     return metrics

@@ -115,6 +115,11 @@ class TrainConfig(StrictModel):
         description="Gated MLPs recompute act(gate)*up and the down projection in backward: two fewer "
         "[tokens, intermediate] tensors kept per block for ~3% more compute.",
     )
+    compile: bool = Field(
+        default=False,
+        description="torch.compile each decoder block (after activation checkpointing, before FSDP2). The first "
+        "steps pay the compile time; on GPU it fuses the block's elementwise work.",
+    )
     fsdp: Literal["auto", "on", "off"] = Field(
         default="auto", description="auto: shard with FSDP2 when world size > 1."
     )

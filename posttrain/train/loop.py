@@ -4,7 +4,8 @@ One optimizer step, top to bottom:
 1. ask the source for the step's work (``source.next_step(step, model)``; see ``posttrain.train.source``):
    this rank's micro-batches and the step's *global* normaliser;
 2. for each micro-batch: forward, loss ÷ the global normaliser, backward (metrics stay on the device);
-3. clip the gradient norm, ask the health guard, step the optimizer (or skip the update);
+3. clip the gradient norm, read loss, grad norm and metrics to the host in one copy (the update's only
+   host sync: the health guard needs them), ask the guard, step the optimizer (or skip the update);
 4. tell the source how the step went (``end_step``), log, evaluate and checkpoint when due (to local
    disk; with a remote run store the upload runs in the background, ``posttrain.store.uploader``); on a
    preemption signal, checkpoint and exit resumable — and also when the store stays down.
@@ -157,8 +158,11 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
             metric_totals[key] = metric_totals[key] + value if key in metric_totals else value
     grad_norm = _grad_norm(params, settings.max_grad_norm)
     packed = dist.all_reduce_sum(torch.stack([loss_total, *metric_totals.values()]))
-    values = packed.tolist()
-    loss_value, grad_value = values[0], float(grad_norm)
+    # The update's one host sync, whatever the number of micro-batches: the health guard decides on the
+    # host whether to step, so it needs the loss and grad norm now; the metrics come along in the same copy.
+    # (grad_norm is already global: clip_grad_norm_ reduces it over the ranks.)
+    *values, grad_value = torch.cat([packed, grad_norm.detach().to(packed).reshape(1)]).tolist()
+    loss_value = values[0]
     verdict = settings.health.check(loss_value, grad_value)
     if verdict.ok:
         optimizer.step()

@@ -242,6 +242,10 @@ def collate_pairs(pairs: list[TokenizedPair], pad_token_id: int, prefix_sharing:
     """
     if not pairs:
         raise ValueError("collate_pairs needs at least one pair")
+    # Checked here, from host integers: the losses skip this check on an accelerator (a host sync there).
+    empty = [p.index for p in pairs if not p.chosen_targets or not p.rejected_targets]
+    if empty:
+        raise ValueError(f"collate_pairs: pairs {empty[:5]} have a response without loss tokens")
     count = len(pairs)
     rows, where = _layout(pairs, prefix_sharing)
     width = max(len(ids) for ids, _, _ in rows)

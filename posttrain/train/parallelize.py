@@ -1,7 +1,8 @@
-"""The one function that applies MLP recompute, activation checkpointing and FSDP2, in that fixed order.
+"""The one function that applies MLP recompute, activation checkpointing, torch.compile and FSDP2, in that order.
 
 Order matters (as in torchtitan's ``parallelize``): the MLP recompute patches each block's MLP
-forward in place; checkpoint wrappers go on the decoder blocks next; then ``fully_shard`` wraps each
+forward in place; checkpoint wrappers go on the decoder blocks next; ``train.compile`` compiles each
+(wrapped) block, so the recomputation is compiled with it; then ``fully_shard`` wraps each
 (wrapped) block and finally the root, so each block's parameters are gathered just in time and freed
 after use — ZeRO-3 for parameters, gradients and optimizer state.
 """
@@ -34,6 +35,19 @@ def apply_activation_checkpointing(layers: torch.nn.ModuleList, mode: str, every
     return wrapped
 
 
+def compile_blocks(layers: torch.nn.ModuleList) -> int:
+    """``torch.compile`` each decoder block in place (``train.compile``); returns how many.
+
+    In place (``Module.compile``), not ``torch.compile(block)``: the block stays the same module, so
+    parameter and state-dict names do not gain ``_orig_mod.`` and checkpoints, export and LoRA see the
+    same model as without compile. One compiled graph per block type is reused by every block; a new
+    sequence length recompiles once with a dynamic length, then reuses it.
+    """
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def parallelize(
     root: torch.nn.Module,
     lm: torch.nn.Module,
@@ -44,8 +58,9 @@ def parallelize(
     activation_checkpointing: str,
     ac_every: int,
     recompute_mlp: bool = False,
+    compile: bool = False,
 ) -> dict[str, object]:
-    """Apply MLP recompute, AC, then FSDP2 to ``root`` (whose submodule ``lm`` holds the blocks), in place.
+    """Apply MLP recompute, AC, torch.compile (``compile``), then FSDP2 to ``root`` (whose submodule ``lm`` holds the blocks), in place.
 
     Returns a summary of what was applied. Without FSDP (one process), bf16 runs under autocast
     (``posttrain.train.precision``).
@@ -57,6 +72,7 @@ def parallelize(
     recomputed = recompute_gated_mlp(lm) if recompute_mlp else 0
     layers = decoder_layers(lm)
     checkpointed = apply_activation_checkpointing(layers, activation_checkpointing, ac_every)
+    compiled = compile_blocks(layers) if compile else 0
     if sharded:
         mp = MixedPrecisionPolicy(
             param_dtype=torch.bfloat16 if precision == "bf16" else None,
@@ -72,4 +88,4 @@ def parallelize(
     elif torch.cuda.is_available():
         root.to(dist.device())
     return {"fsdp": sharded, "world_size": world, "checkpointed_blocks": checkpointed,
-            "recomputed_mlps": recomputed, "blocks": len(layers)}
+            "recomputed_mlps": recomputed, "compiled_blocks": compiled, "blocks": len(layers)}

@@ -215,7 +215,7 @@ def build_policy(
     applied = parallelize(
         root, lm, fsdp=train.fsdp, precision=train.precision, cpu_offload=train.cpu_offload,
         activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
-        recompute_mlp=train.recompute_mlp,
+        recompute_mlp=train.recompute_mlp, compile=train.compile,
     )
     say(f"model {config.model.path}: {describe(lora, trainable, total)}; {applied}")
     return root, lm, tokenizer
