@@ -47,7 +47,10 @@ from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_val
 FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
 NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store"},
-                {"train": {"resume", "log_every", "keep_last"}, "health": {"stall_timeout_s"},
+                # compile and activation offload change how a step runs, not what it computes: a run may resume
+                # with them toggled (and checkpoints from before the keys existed still resume)
+                {"train": {"resume", "log_every", "keep_last", "compile", "activation_offload"},
+                 "health": {"stall_timeout_s"},
                  "debug": {"crash_at_step", "crash_rank", "hang_at_step", "hang_rank", "log_unit_ids"}})
 # model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).
 LORA_KEYS = ("r", "alpha", "target_modules", "quantize")

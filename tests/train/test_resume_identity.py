@@ -80,3 +80,14 @@ def test_resume_must_refuses_without_a_checkpoint(tiny_model_dir, sft_data, tmp_
     out = tmp_path / "empty"
     assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{"train.resume": "must"})) == 2
     assert "train.resume=must" in capsys.readouterr().err
+
+
+def test_compile_and_activation_offload_are_not_part_of_a_runs_identity():
+    """They change how a step runs, not what it computes: toggling them on resume warns about nothing."""
+    from posttrain.train.identity import changed_keys, config_identity
+
+    before = {"train": {"lr": 1e-3, "compile": False, "activation_offload": False}, "output_dir": "a"}
+    after = {"train": {"lr": 1e-3, "compile": True, "activation_offload": True}, "output_dir": "b"}
+    assert changed_keys(config_identity(before), config_identity(after)) == []
+    after["train"]["lr"] = 2e-3
+    assert changed_keys(config_identity(before), config_identity(after)) == ["train.lr"]
