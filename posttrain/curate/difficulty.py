@@ -95,23 +95,15 @@ def _reference_model(path: str, dtype: str):
 
 def _answer_nll(model, rows: list[tuple[list[int], list[int]]], pad_id: int) -> list[float]:
     """Mean negative log-likelihood of the answer tokens of each ``(context_ids, answer_ids)``."""
-    from posttrain.models.logprobs import IGNORE_INDEX, model_token_logprobs
+    from posttrain.data.packing import collate_padded
+    from posttrain.data.tokenize import TokenizedExample
+    from posttrain.models.logprobs import IGNORE_INDEX, mean_label_logprobs
 
-    device = next(model.parameters()).device
-    width = max(len(c) + len(a) for c, a in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    labels = torch.full((len(rows), width), IGNORE_INDEX, dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.long)
-    for i, (context, answer) in enumerate(rows):
-        ids = context + answer
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, len(context) : len(ids)] = torch.tensor(answer)
-        mask[i, : len(ids)] = 1
-    with torch.inference_mode():
-        logprobs, row_of = model_token_logprobs(model, input_ids.to(device), labels.to(device), mask.to(device))
-    sums = torch.zeros(len(rows), dtype=torch.float64).index_add(0, row_of.cpu(), logprobs.double().cpu())
-    counts = torch.bincount(row_of.cpu(), minlength=len(rows)).double()
-    return (-sums / counts.clamp(min=1)).tolist()
+    examples = [TokenizedExample(context + answer, [IGNORE_INDEX] * len(context) + answer, False, "")
+                for context, answer in rows]
+    batch = collate_padded(examples, pad_id)
+    means = mean_label_logprobs(model, batch["input_ids"], batch["labels"], batch["attention_mask"])
+    return [-m if m == m else 0.0 for m in means]  # an answer without tokens scored 0, as before
 
 
 def ifd_scores(

@@ -49,22 +49,18 @@ class LikelihoodScorer:
     """Mean token log-prob of each response under a causal LM, in batches of ``batch_size``."""
 
     def __init__(self, config: ModelJudgeConfig):
-        import torch
-
         from posttrain import dist
         from posttrain.models.load import load_model, load_tokenizer
 
         self.config = config
-        self.device = dist.device()
         self.tokenizer = load_tokenizer(str(config.model))
-        self.model = load_model(str(config.model), device=self.device).eval()
-        self.torch = torch
+        self.model = load_model(str(config.model), device=dist.device()).eval()
 
     def __call__(self, rows: Sequence[Row]) -> list[float]:
+        from posttrain.data.packing import collate_padded
         from posttrain.data.tokenize import tokenize_prompt_completion
-        from posttrain.models.logprobs import IGNORE_INDEX, model_token_logprobs, per_sequence_sum
+        from posttrain.models.logprobs import mean_label_logprobs
 
-        torch = self.torch
         out: list[float] = []
         for start in range(0, len(rows), self.config.batch_size):
             examples = [
@@ -72,18 +68,8 @@ class LikelihoodScorer:
                                            self.tokenizer, self.config.max_length, "left")
                 for row in rows[start : start + self.config.batch_size]
             ]
-            width = max(len(e.input_ids) for e in examples)
-            pad = self.tokenizer.pad_token_id or 0
-            ids = torch.full((len(examples), width), pad, dtype=torch.long)
-            labels = torch.full((len(examples), width), IGNORE_INDEX, dtype=torch.long)
-            for i, example in enumerate(examples):
-                ids[i, : len(example.input_ids)] = torch.tensor(example.input_ids)
-                labels[i, : len(example.labels)] = torch.tensor(example.labels)
-            with torch.no_grad():  # right padding + causal attention: no real token sees a pad
-                logprobs, batch_rows = model_token_logprobs(self.model, ids.to(self.device), labels.to(self.device))
-            sums = per_sequence_sum(logprobs.float(), batch_rows, len(examples))
-            counts = per_sequence_sum(torch.ones_like(logprobs, dtype=torch.float32), batch_rows, len(examples))
-            out += [float(s / c) if c > 0 else float("nan") for s, c in zip(sums.cpu(), counts.cpu(), strict=True)]
+            batch = collate_padded(examples, self.tokenizer.pad_token_id or 0)
+            out += mean_label_logprobs(self.model, batch["input_ids"], batch["labels"], batch["attention_mask"])
         return out
 
 

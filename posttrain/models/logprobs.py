@@ -143,6 +143,20 @@ def model_token_logprobs(
     return values, rows
 
 
+@torch.no_grad()
+def mean_label_logprobs(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor,
+                        attention_mask: torch.Tensor | None = None) -> list[float]:
+    """Per row, the mean log-prob of its loss-bearing labels under ``model`` (``nan`` for a row with none):
+    ``(1/|y|) · Σ_t log p(y_t | x, y_<t)``. For scoring (judges, IFD), not training: no gradient."""
+    device = next(model.parameters()).device
+    mask = None if attention_mask is None else attention_mask.to(device)
+    logprobs, rows = model_token_logprobs(model, input_ids.to(device), labels.to(device), mask)
+    batch = input_ids.shape[0]
+    sums = torch.zeros(batch, dtype=torch.float64).index_add(0, rows.cpu(), logprobs.double().cpu())
+    counts = torch.bincount(rows.cpu(), minlength=batch).double()
+    return (sums / counts).tolist()  # 0/0 = nan: the row had no label to score
+
+
 class TokenLogprobModel(torch.nn.Module):
     """Wraps an HF causal LM so that one ``forward`` returns log-probs at loss positions.
 
