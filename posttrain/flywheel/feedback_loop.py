@@ -122,17 +122,13 @@ def _check(response: Any, what: str) -> dict[str, Any]:
 def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_label: str, dev_suite: str,
                   db_dir: Path, out: Path) -> dict[str, Any]:
     """Evaluate ``model`` on the dev suite, post its failures and sampled alternatives to the service."""
-    from posttrain.eval.harness import evaluate
-    from posttrain.eval.items import load_suite
+    from posttrain.flywheel.run import stage_eval
     from posttrain.generate.engine import HFBackend, SamplingParams
 
     spec = config.feedback
-    suite = load_suite(dev_suite)
-    backend = HFBackend.from_path(model)
-    greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.eval.max_new_tokens, seed=config.seed)
-    results = evaluate(backend, suite, greedy, batch_size=config.eval.batch_size, n_boot=config.eval.n_boot,
-                       seed=config.seed, model_name=model_label, progress=False)
-    (out / "dev_results.json").write_text(json.dumps(results, indent=1))
+    backend = HFBackend.from_path(model)  # one load: the greedy eval and the alternatives' sampling share it
+    evaluated = stage_eval(model, dev_suite, config, out, model_label, backend)
+    results = json.loads(Path(evaluated["results"]).read_text())
     failed = [row for row in results["items"] if not row["passed"] and (spec.groups is None or row["group"] in spec.groups)]
     # An empty answer has nothing for an annotator to compare; it is counted, not captured.
     failures = [row for row in failed if (row["output"] or "").strip()]
@@ -165,7 +161,7 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                     _check(client.post(f"/api/edge-cases/{created['id']}/responses", json=body), "alternatives")
                     counts["alternatives"] += len(texts)
     groups = Counter(row["group"] for row in failures)
-    return {"dev_results": str(out / "dev_results.json"), "dev_items": len(results["items"]),
+    return {"dev_results": evaluated["results"], "dev_items": len(results["items"]),
             "dev_passed": results["counts"]["passed"], "failures": len(failures), "failures_by_group": dict(groups),
             "empty_failures": len(failed) - len(failures),
             **counts}  # fmt: skip

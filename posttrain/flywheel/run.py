@@ -115,7 +115,9 @@ def stage_base(config: FlywheelRecipe, data: dict[str, Any], out: Path) -> dict[
     return {"model": str(out / "pretrain" / "final"), "metrics": str(out / "pretrain" / "metrics.jsonl")}
 
 
-def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Path, label: str) -> dict[str, Any]:
+def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Path, label: str,
+               backend: Any = None) -> dict[str, Any]:
+    """Greedy eval of ``model_path`` (or an already loaded ``backend``) on a suite → ``out/results.json``."""
     from posttrain.eval.harness import evaluate
     from posttrain.eval.items import load_suite
     from posttrain.generate.engine import HFBackend, SamplingParams
@@ -124,7 +126,7 @@ def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Pa
     weights_file = Path(suite_path).with_name("suite_weights.json")
     if weights_file.exists() and not config.eval.suite:
         suite.group_weights = json.loads(weights_file.read_text())
-    backend = HFBackend.from_path(model_path)
+    backend = backend or HFBackend.from_path(model_path)
     params = SamplingParams(n=1, temperature=0.0, max_new_tokens=config.eval.max_new_tokens, seed=config.seed)
     results = evaluate(
         backend, suite, params, batch_size=config.eval.batch_size, n_boot=config.eval.n_boot,

@@ -54,7 +54,7 @@ def test_round_two_starts_from_round_one_and_is_indexed_for_the_report(two_round
 def test_failures_go_through_the_service_and_every_vote_has_a_reason(two_rounds):
     run_dir, _ = two_rounds
     capture, annotate = _outputs(run_dir, "round2/capture"), _outputs(run_dir, "round2/annotate")
-    dev = json.loads((run_dir / "round2" / "capture" / "dev_results.json").read_text())
+    dev = json.loads((run_dir / "round2" / "capture" / "results.json").read_text())
     failed = [i for i in dev["items"] if not i["passed"]]
     assert capture["failures"] + capture["empty_failures"] == len(failed)
     assert capture["failures"] > 0

@@ -78,7 +78,7 @@ def test_a_second_round_on_the_users_files(tmp_path, tiny_model_dir):
     assert main(["flywheel", "--config", str(path)]) == 0
     data = json.loads((run_dir / "round2" / "data" / "stage.json").read_text())["outputs"]
     assert data == {"raw": str(raw2), "prompts": str(prompts2), "dev_suite": str(dev)}
-    dev_results = json.loads((run_dir / "round2" / "capture" / "dev_results.json").read_text())
+    dev_results = json.loads((run_dir / "round2" / "capture" / "results.json").read_text())
     assert [i["id"] for i in dev_results["items"]] == [i["id"] for i in dev_items]
     assert json.loads((run_dir / "round2" / "curate" / "funnel.json").read_text())["input"] == 30
     later = json.loads((run_dir / "round2" / "eval_dpo" / "results.json").read_text())
