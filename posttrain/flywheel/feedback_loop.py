@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -48,19 +47,16 @@ def _token(db: Any, run_dir: Path, name: str, role: str) -> str:
     path = folder / f"{name}.token"
     if path.exists():
         return path.read_text().strip()
-    if db.one("SELECT id FROM users WHERE name = ?", (name,)) is not None:
-        raise RuntimeError(f"{run_dir / DB_FILE} has a user {name!r} but its token {path} is gone; "
-                           "restore the file or start the run in a fresh run_dir")
-    token = db.create_user(name, role)
+    from posttrain.serve.db import FeedbackDBError
+
+    try:
+        token = db.create_user(name, role)
+    except FeedbackDBError as exc:  # the name is taken: the token file was lost
+        raise RuntimeError(f"{run_dir / DB_FILE}: {exc}, but its token {path} is gone; "
+                           "restore the file or start the run in a fresh run_dir") from None
     path.write_text(token)
     path.chmod(0o600)
     return token
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextmanager
@@ -72,10 +68,11 @@ def feedback_service(run_dir: Path, guideline: tuple[str, Path] | None = None):
     import httpx
 
     from posttrain.serve.db import open_db
+    from posttrain.serve.pg_local import free_port
 
     url = db_url(run_dir)
     db = open_db(url)  # applies the migrations before the server starts, so users can be created first
-    port = _free_port()
+    port = free_port()
     command = [sys.executable, "-m", "posttrain", "serve", "feedback", "--db", url, "--port", str(port), "--rate", "0"]
     if guideline is not None:
         command += ["--guidelines", str(guideline[1]), "--guidelines-version", guideline[0]]
@@ -122,6 +119,7 @@ def _check(response: Any, what: str) -> dict[str, Any]:
 def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_label: str, dev_suite: str,
                   db_dir: Path, out: Path) -> dict[str, Any]:
     """Evaluate ``model`` on the dev suite, post its failures and sampled alternatives to the service."""
+    from posttrain.eval.items import load_suite
     from posttrain.flywheel.run import stage_eval
     from posttrain.generate.engine import HFBackend, SamplingParams
 
@@ -138,7 +136,8 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                         "n": spec.samples, "seed": config.seed + round_index}
     params = SamplingParams(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
                             seed=config.seed + round_index)
-    alternatives = backend.generate([[{"role": "user", "content": row["prompt"]}] for row in failures], params,
+    messages = {item.id: item.prompt_messages() for item in load_suite(dev_suite).items}  # as the eval prompted
+    alternatives = backend.generate([messages[row["id"]] for row in failures], params,
                                     batch_size=spec.batch_size, progress=False) if failures else []
     counts: Counter = Counter()
     with feedback_service(db_dir) as (base_url, db):
@@ -153,7 +152,7 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                     "metadata": {"dev_item": row["id"], "tier": row["tier"], "verifier": row["verifier"]},
                 }  # fmt: skip
                 created = _check(client.post("/api/edge-cases", json=case), "an edge case")
-                counts["captured" if created.get("created", True) else "already_captured"] += 1
+                counts["captured" if created["created"] else "already_captured"] += 1
                 texts = list(dict.fromkeys(s.text for s in samples if s.text.strip() and s.text != row["output"]))
                 if texts:
                     body = {"responses": [{"text": t, "model_id": model_label, "sampling": sampled_settings}
@@ -194,10 +193,9 @@ def verifier_vote(item: Any, left: str, right: str) -> tuple[str, str]:
 def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_dir: Path, out: Path
                    ) -> dict[str, Any]:
     """Vote on every open pair as the scripted verifier annotator, through the annotator API."""
-    from posttrain.eval.items import load_suite
+    from posttrain.eval.items import content_hash, load_suite
 
-    items = {item.prompt if isinstance(item.prompt, str) else json.dumps(item.prompt): item
-             for item in load_suite(dev_suite).items}
+    items = {content_hash(item.prompt): item for item in load_suite(dev_suite).items}  # str or chat alike
     counts: Counter = Counter()
     guideline = out / "guideline.txt"
     guideline.write_text(config.feedback.guideline, encoding="utf-8")
@@ -209,8 +207,7 @@ def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_
                 if response.status_code == 204:
                     break
                 task = _check(response, "the next task")
-                prompt = task["prompt"] if isinstance(task["prompt"], str) else json.dumps(task["prompt"])
-                item = items.get(prompt)
+                item = items.get(content_hash(task["prompt"]))
                 if item is None:  # a case someone else captured: this annotator has no answer key for it
                     choice, reason = "tie", "no answer key for this prompt: cannot tell (scripted verifier)"
                     counts["no_key"] += 1
