@@ -10,6 +10,8 @@ import tempfile
 import pytest
 import torch
 
+from posttrain.serve.pg_local import free_port
+
 # Caches the code writes by default (the DPO reference log-probs under $XDG_CACHE_HOME) go to a
 # directory of this test session, inherited by every subprocess, never into the user's home.
 _CACHE_HOME = tempfile.mkdtemp(prefix="posttrain-test-cache-")
@@ -59,14 +61,6 @@ def tiny_reward_model(tiny_model_dir, tmp_path_factory) -> str:
 
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint():
     """moto's S3 server on 127.0.0.1 for this test session (a real HTTP S3 API, no cloud).
@@ -79,7 +73,7 @@ def s3_endpoint():
     import time
     import urllib.request
 
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     endpoint = f"http://127.0.0.1:{port}"

@@ -31,7 +31,8 @@ def postgres_bin() -> Path:
     return Path(found[-1]).parent
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -45,7 +46,7 @@ def local_postgres(max_connections: int = 300) -> Iterator[str]:
     if os.geteuid() == 0:
         shutil.chown(workdir, "nobody", "nogroup")
         as_user = ["runuser", "-u", "nobody", "--"]
-    data, port = workdir / "data", _free_port()
+    data, port = workdir / "data", free_port()
 
     def run(*args: str) -> None:
         proc = subprocess.run([*as_user, *args], capture_output=True, text=True, timeout=120, cwd=workdir)

@@ -8,13 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 import pytest
 
+from posttrain.serve.pg_local import free_port
 from posttrain.store import RunStore
 from tests.cloud.test_s3_runs import remote_final, s3_env, same
 from tests.train.conftest import ROOT, base_overrides, final_weights, run_subprocess
@@ -22,14 +22,8 @@ from tests.train.conftest import ROOT, base_overrides, final_weights, run_subpro
 pytestmark = pytest.mark.slow
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def two_nodes(overrides: list[str], endpoint: str, caches: list, run_id: str) -> list[subprocess.CompletedProcess]:
-    port = _free_port()
+    port = free_port()
     store = subprocess.Popen([sys.executable, "-m", "posttrain.k8s.store", "--host", "127.0.0.1", "--port", str(port)],
                              stderr=subprocess.PIPE, env=s3_env(endpoint))
     try:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 
 from posttrain.k8s.options import RenderOptions
 from posttrain.k8s.render import launch_command, resolve
+from posttrain.serve.pg_local import free_port
 
 PY = sys.executable
 
@@ -46,12 +46,6 @@ def test_a_command_killed_by_a_signal_exits_128_plus_n():
     assert _wrapped("import os, signal; os.kill(os.getpid(), signal.SIGKILL)").wait(timeout=60) == 128 + 9
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 WORKER = """
 import os, sys, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -68,7 +62,7 @@ def test_two_agents_rendezvous_through_the_standalone_store(tmp_path):
     options = RenderOptions(config="sft_tiny", nodes=2, gpus_per_node=1, output_dir="s3://b/run")
     command = launch_command(options, "test-run", resolve(options))
     torchrun_options = command[2:command.index("--")]
-    port = _free_port()
+    port = free_port()
     at = torchrun_options.index("--rdzv-endpoint") + 1
     assert torchrun_options[at] == "test-run-rdzv:29400"
     torchrun_options[at] = f"127.0.0.1:{port}"
