@@ -191,7 +191,7 @@ def compare_results(
     return result
 
 
-def _points(value: float) -> str:
+def format_points(value: float) -> str:
     """A delta or interval end in points; never prints a nonzero end as 0.0, so the sign stays readable."""
     text = f"{value:+.1f}"
     if value != 0 and float(text) == 0:
@@ -216,8 +216,8 @@ def _describe(name: str, test: dict, alpha: float, family: str) -> str:
         p = f"p={test['p_adjusted']:.4f} Bonferroni-adjusted"
     else:
         interval, p = f"{test['confidence']:.0%} CI", f"p={test['p_value']:.4f}"
-    numbers = (f"{test['base']:.1f} -> {test['new']:.1f} ({_points(test['delta'])} points, {interval} "
-               f"[{_points(test['ci_low'])}, {_points(test['ci_high'])}], {p})")
+    numbers = (f"{test['base']:.1f} -> {test['new']:.1f} ({format_points(test['delta'])} points, {interval} "
+               f"[{format_points(test['ci_low'])}, {format_points(test['ci_high'])}], {p})")
     kind = verdict_kind(test)
     if kind in ("improvement", "regression"):
         verdict = f"a significant {kind} at the {alpha:g} level"

@@ -9,6 +9,8 @@ import html
 from collections.abc import Iterable
 from typing import Any
 
+from posttrain.eval.stats import format_points, verdict_kind
+
 # How to read the comparison table (the same rules as `posttrain eval compare`), shown folded under it.
 READING_THE_VERDICTS = (
     "Each change comes with the confidence interval that inverts its own paired permutation test, so an "
@@ -59,15 +61,9 @@ def tiers_table(scores: dict[str, dict[str, Any]]) -> str:
     return table(["", *map(esc, scores)], rows, "scores") if rows else ""
 
 
-def _points(value: float) -> str:
-    return f"{value:+.1f}" if value else "0.0"
-
-
 def verdict(test: dict[str, Any]) -> tuple[str, str]:
     """A short verdict for a table cell and its CSS class, from ``eval.stats.verdict_kind`` (the same rule as
     ``summarize_comparison``'s sentences)."""
-    from posttrain.eval.stats import verdict_kind
-
     kind = verdict_kind(test)
     if kind in ("improvement", "regression"):
         return f"significant {kind}", "up" if kind == "improvement" else "down"
@@ -90,8 +86,8 @@ def _comparison_row(name: str, scope: str, test: dict[str, Any], mark: bool) -> 
     return [
         esc(name), f"<b>{scope_html}</b>" if scope == "composite" else scope_html,
         f"{test['base']:.1f} → {test['new']:.1f}",
-        _points(test["delta"]),
-        f'<span title="{esc(level)}">[{_points(test["ci_low"])}, {_points(test["ci_high"])}]</span>',
+        format_points(test["delta"]),
+        f'<span title="{esc(level)}">[{format_points(test["ci_low"])}, {format_points(test["ci_high"])}]</span>',
         "–" if p is None else f"{p:.4f}" + ("*" if simultaneous else ""),
         f'<span class="verdict {css}">{esc(label)}</span>{warning}',
     ]
