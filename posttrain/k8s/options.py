@@ -8,6 +8,7 @@ the grace period (``grace_period_from_run``).
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -141,9 +142,11 @@ def quantity_bytes(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[match.group(2)])
 
 
+@functools.lru_cache(maxsize=8)
 def plan_annotations(options: RenderOptions) -> dict[str, str]:
     """The plan's figures as annotations, after checking the plan was made for this shape: the same GPUs and
-    GPUs per node, and host memory per node within ``--memory`` (with offload, the plan's host share)."""
+    GPUs per node, and host memory per node within ``--memory`` (with offload, the plan's host share).
+    Read once per options (every object of a render quotes it); treat the result as read-only."""
     import json
 
     if options.plan is None:

@@ -50,7 +50,7 @@ def metadata(name: str, options: RenderOptions, object_labels: dict[str, str]) -
         out["namespace"] = options.namespace
     out["labels"] = dict(object_labels)
     if options.plan:  # every object of the run quotes the plan it was sized by (`posttrain plan --json`)
-        out["annotations"] = plan_annotations(options)
+        out["annotations"] = dict(plan_annotations(options))
     return out
 
 
