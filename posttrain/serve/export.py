@@ -125,6 +125,7 @@ def _records(case: dict[str, Any], votes: list[dict[str, Any]], outcome: str) ->
 def export_feedback(db: FeedbackDB, out_dir: str | Path, min_votes: int = 1, until: str | None = None) -> dict[str, Any]:
     """Write the export files into ``out_dir``; return the manifest (also written as ``manifest.json``)."""
     from posttrain.data.io import write_jsonl
+    from posttrain.data.storage import sha256_file
 
     if min_votes < 1:
         raise FeedbackDBError(f"--min-votes must be at least 1 (got {min_votes})")
@@ -156,8 +157,7 @@ def export_feedback(db: FeedbackDB, out_dir: str | Path, min_votes: int = 1, unt
     files = {}
     for name, records in rows.items():
         path = out / f"{name}.jsonl"
-        write_jsonl(str(path), records)
-        files[path.name] = {"rows": len(records), "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+        files[path.name] = {"rows": write_jsonl(str(path), records), "sha256": sha256_file(path)}
     manifest = {
         "format": EXPORT_FORMAT,
         "schema_version": db.schema_version(),
