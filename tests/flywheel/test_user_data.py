@@ -64,6 +64,8 @@ def test_a_second_round_on_the_users_files(tmp_path, tiny_model_dir):
     suite, dev = tmp_path / "suite.jsonl", tmp_path / "dev.jsonl"
     write_jsonl(str(suite), eval_items(1, seed=9)[:6])
     dev_items = eval_items(1, seed=4, split="train")[:5]
+    for item in dev_items[::2]:  # some dev prompts as chats: capture and the annotator's answer keys handle both
+        item["prompt"] = [{"role": "user", "content": item["prompt"]}]
     write_jsonl(str(dev), dev_items)
     run_dir = tmp_path / "run"
     recipe = yaml.safe_load(reduced_recipe(run_dir).read_text())
@@ -80,6 +82,9 @@ def test_a_second_round_on_the_users_files(tmp_path, tiny_model_dir):
     assert data == {"raw": str(raw2), "prompts": str(prompts2), "dev_suite": str(dev)}
     dev_results = json.loads((run_dir / "round2" / "capture" / "results.json").read_text())
     assert [i["id"] for i in dev_results["items"]] == [i["id"] for i in dev_items]
+    annotate = json.loads((run_dir / "round2" / "annotate" / "stage.json").read_text())["outputs"]
+    capture = json.loads((run_dir / "round2" / "capture" / "stage.json").read_text())["outputs"]
+    assert annotate["votes"] == capture.get("alternatives", 0) and "no_key" not in annotate
     assert json.loads((run_dir / "round2" / "curate" / "funnel.json").read_text())["input"] == 30
     later = json.loads((run_dir / "round2" / "eval_dpo" / "results.json").read_text())
     assert len(later["items"]) == 6
