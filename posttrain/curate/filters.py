@@ -56,9 +56,9 @@ def words(text: str) -> list[str]:
     return _WORD.findall(text)
 
 
-def content_words(text: str) -> list[str]:
-    """Whitespace-separated tokens with at least one letter or digit (not ``|``, ``+---+``, ``*``, ``...``)."""
-    return [token for token in _WORD.findall(text) if any(c.isalnum() for c in token)]
+def content_words(tokens: list[str]) -> list[str]:
+    """The ``words`` with at least one letter or digit (not ``|``, ``+---+``, ``*``, ``...``)."""
+    return [token for token in tokens if any(c.isalnum() for c in token)]
 
 
 # -- shape -----------------------------------------------------------------------------------
@@ -125,7 +125,7 @@ def symbols_and_words_rule(row: Row, config: FiltersConfig) -> Drop | None:
         ratio = symbol_word_ratio(text, len(tokens))
         if ratio > config.max_symbol_word_ratio:
             return Drop("symbol_word_ratio", f"{ratio:.2f} > {config.max_symbol_word_ratio}")
-    content = content_words(text)
+    content = content_words(tokens)  # the tokens already split, not a second pass over the text
     mean = sum(map(len, content)) / len(content) if content else 0.0
     if config.min_mean_word_length is not None and mean < config.min_mean_word_length:
         return Drop("mean_word_length_low", f"{mean:.1f} < {config.min_mean_word_length}")
@@ -193,7 +193,7 @@ def repetition_limit(limit: float, n: int, n_words: int, allowance: float, kind:
 def repetition_rule(row: Row, config: FiltersConfig) -> Drop | None:
     allowance = config.repetition_allowance
     for part, text in (("response", row.response), ("prompt", row.prompt)):
-        tokens = content_words(text)
+        tokens = content_words(words(text))
         if len(tokens) < config.repetition_min_words:
             continue
         lines, chars = duplicate_line_fractions(text)
