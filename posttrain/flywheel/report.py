@@ -11,11 +11,9 @@ from posttrain.report.tables import READING_THE_VERDICTS
 __all__ = ["READING_THE_VERDICTS", "build_report"]
 
 
-def build_report(run_dir: Path, config: Any = None, timings: dict[str, float] | None = None,
+def build_report(run_dir: Path, timings: dict[str, float] | None = None,
                  models: tuple[str, ...] | None = None) -> dict[str, Any]:
-    """Write the run's report; return ``{"html", "json", "summary", ...}``. ``config`` is not needed (the
-    report reads everything from the run directory) and is accepted for the flywheel's call."""
+    """Write the run's report (read from the run directory alone); return ``{"html", "json", "summary", ...}``."""
     from posttrain.report import write_report
 
-    del config
     return write_report(Path(run_dir), kind="flywheel", timings=timings, models=list(models) if models else None)

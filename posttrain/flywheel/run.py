@@ -237,7 +237,7 @@ def run_flywheel(config: FlywheelRecipe) -> int:
             _later_rounds(config, runner, run_dir, models, evals, data["suite"])
         from posttrain.flywheel.report import build_report
 
-        report = build_report(run_dir, config, runner.timings(), tuple(models))
+        report = build_report(run_dir, runner.timings(), tuple(models))
     except StageInterrupted as exc:
         print(f"[flywheel] {exc}", file=sys.stderr)
         return EXIT_RESUMABLE

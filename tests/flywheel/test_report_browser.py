@@ -66,7 +66,7 @@ def render(html_path: Path, tmp_path: Path, shot_name: str) -> tuple[dict, str]:
 def test_report_renders_every_chart_without_errors(tmp_path):
     run_dir = tmp_path / "run"
     fake_run(run_dir)
-    report = build_report(run_dir, None, {"sft": 1.0})
+    report = build_report(run_dir, {"sft": 1.0})
     verdict, stderr = render(Path(report["html"]), tmp_path, "report.png")
     # The funnel, SFT curves and tier mix, DPO curves and margin / accuracy, the scores: SFT and DPO each
     # have their own step axis.
@@ -84,7 +84,7 @@ def test_broken_chart_is_detected(tmp_path):
     """The check can fail: a page whose plot throws reports the error and a chart without data."""
     run_dir = tmp_path / "run"
     fake_run(run_dir)
-    report = build_report(run_dir, None, {})
+    report = build_report(run_dir, {})
     page = Path(report["html"])
     page.write_text(page.read_text().replace("</body>", "<script>throw new Error('boom')</script></body>"))
     verdict, _ = render(page, tmp_path, "report-broken.png")

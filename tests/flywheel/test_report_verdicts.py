@@ -38,7 +38,7 @@ def test_report_states_verdicts_that_agree_with_their_intervals(tmp_path):
                    "sft->dpo": compare_results(runs["sft"], runs["dpo"], n_perm=2000)}
     (tmp_path / "compare" / "comparisons.json").write_text(json.dumps(comparisons))
 
-    report = build_report(tmp_path, None, {"sft": 1.0})
+    report = build_report(tmp_path, {"sft": 1.0})
     page = (tmp_path / "report.html").read_text()
     reasoning = next(line for line in report["summary"] if line.startswith("base->sft: group reasoning:"))
     assert "too few items to tell" in reasoning and "Holm" not in page
