@@ -113,7 +113,9 @@ class NearDedupStage:
         self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed, shingle=config.shingle)
         self.verified_pairs = np.zeros((0, 2), dtype=np.int64)
         self.check_prompts = config.fields == "both" and config.min_prompt_jaccard is not None
-        self.prompt_hasher = MinHasher(1, config.prompt_shingle_size, config.seed, shingle="words")
+        # Word shingles of the prompts, for the prompt check only (the one permutation is never used).
+        self.prompt_hasher = (MinHasher(1, config.prompt_shingle_size, config.seed, shingle="words")
+                              if self.check_prompts else None)
 
     def features(self, rows: list[Row], scratch: str) -> dict[str, Any]:
         exact = self.config.verify == "exact"

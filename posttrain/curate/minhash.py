@@ -240,17 +240,20 @@ class MinHasher:
             yield first, last
             first = last
 
-    def sign(self, texts: Sequence[str], with_sets: bool = True) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def sign(self, texts: Sequence[str], with_sets: bool = True, signatures: bool = True
+             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(signatures [n, num_perm], shingle_values, shingle_offsets)``: also each text's shingle
         hashes, ``shingle_values[shingle_offsets[i]:shingle_offsets[i+1]]`` (32-bit, unsorted, with
         repeats; empty arrays when ``with_sets`` is false), for exact Jaccard verification of
-        candidate pairs. Only candidates need their sets, so deduplication waits until then."""
-        out = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        candidate pairs. Only candidates need their sets, so deduplication waits until then.
+        ``signatures=False`` skips the MinHash (an empty ``[0, num_perm]`` array) for callers that need the sets only."""
+        out = np.empty((len(texts) if signatures else 0, self.num_perm), dtype=np.uint32)
         set_parts: list[np.ndarray] = []
         set_sizes = np.zeros(len(texts), dtype=np.int64)
         for first, last in self._batches(texts):
             shingles, counts = self.shingle_hashes(texts[first:last])
-            out[first:last] = self.signatures_from_shingles(shingles, counts)
+            if signatures:
+                out[first:last] = self.signatures_from_shingles(shingles, counts)
             if with_sets:
                 set_parts.append(shingles.astype(np.uint32))
                 set_sizes[first:last] = counts
@@ -260,14 +263,8 @@ class MinHasher:
 
     def shingle_sets(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """``(shingle_values, shingle_offsets)`` as ``sign`` returns them, without the signatures."""
-        parts: list[np.ndarray] = []
-        sizes = np.zeros(len(texts), dtype=np.int64)
-        for first, last in self._batches(texts):
-            shingles, counts = self.shingle_hashes(texts[first:last])
-            parts.append(shingles.astype(np.uint32))
-            sizes[first:last] = counts
-        values = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
-        return values, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        _, values, offsets = self.sign(texts, signatures=False)
+        return values, offsets
 
     def signatures_from_shingles(self, shingles: np.ndarray, counts: np.ndarray) -> np.ndarray:
         """Min over shingles of ``(a·x + b) mod 2^64``, shifted to 32 bits: ``[n, num_perm]`` uint32."""
