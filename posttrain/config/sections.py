@@ -37,7 +37,12 @@ class LoraConfig(StrictModel):
 class ModelConfig(StrictModel):
     path: str = Field(description="Local HF-format directory (or a hub id when the network allows).")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+    attn_implementation: Literal["auto", "sdpa", "eager", "varlen"] = Field(
+        default="auto",
+        description="auto: varlen where torch's variable-length Flash Attention runs (a CUDA device, bf16 "
+        "compute), else sdpa. varlen: packed rows attend example by example from their boundaries, with no "
+        "dense block-diagonal mask (posttrain.models.attention); other batches as sdpa.",
+    )
     trust_remote_code: bool = False
     lora: LoraConfig | None = Field(
         default=None,

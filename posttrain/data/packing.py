@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 import torch
 
 from posttrain.data.tokenize import TokenizedExample
-from posttrain.models.logprobs import IGNORE_INDEX
+from posttrain.models.attention import segment_kwargs
+from posttrain.models.logprobs import IGNORE_INDEX, loss_positions
 
 
 @dataclass
@@ -85,7 +86,8 @@ def collate_padded(
 ) -> dict[str, torch.Tensor]:
     """Right-pad examples into ``input_ids``, ``labels`` (``IGNORE_INDEX`` on padding), ``attention_mask``
     and ``position_ids`` tensors of shape ``[batch, length]``; ``length`` is the longest example, or
-    ``max_length`` when given (then every example must fit)."""
+    ``max_length`` when given (then every example must fit). Plus the loss positions found on the host
+    (``posttrain.models.logprobs.loss_positions``)."""
     if not examples:
         raise ValueError("collate_padded needs at least one example")
     longest = max(len(example.input_ids) for example in examples)
@@ -102,11 +104,15 @@ def collate_padded(
         attention_mask[row, :n] = 1
     # Positions simply count up; padding sits after the real tokens and is masked out.
     position_ids = torch.arange(length, dtype=torch.long).unsqueeze(0).expand(len(examples), -1).clone()
-    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids,
+            **loss_positions(labels)}
 
 
-def collate_packed(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
-    """Stack packed rows into ``input_ids``, ``labels`` and ``position_ids`` ``[rows, max_length]``.
+def collate_packed(rows: list[PackedRow]) -> dict:
+    """Stack packed rows into ``input_ids``, ``labels`` and ``position_ids`` ``[rows, max_length]``, plus
+    the example boundaries for varlen attention (``cu_seq_lens_q``/``_k`` and ``max_length_q``/``_k``,
+    ``posttrain.models.attention.segment_kwargs``; sdpa and eager ignore them) and the loss positions
+    found on the host (``posttrain.models.logprobs.loss_positions``).
 
     Deliberately no ``attention_mask``: with it, transformers would skip the packed-sequence detection
     and let examples attend to each other.
@@ -116,8 +122,12 @@ def collate_packed(rows: list[PackedRow]) -> dict[str, torch.Tensor]:
     lengths = {len(row.input_ids) for row in rows}
     if len(lengths) != 1:
         raise ValueError(f"packed rows have different lengths {sorted(lengths)}; pack them with one max_length")
+    position_ids = torch.tensor([row.position_ids for row in rows], dtype=torch.long)
+    labels = torch.tensor([row.labels for row in rows], dtype=torch.long)
     return {
         "input_ids": torch.tensor([row.input_ids for row in rows], dtype=torch.long),
-        "labels": torch.tensor([row.labels for row in rows], dtype=torch.long),
-        "position_ids": torch.tensor([row.position_ids for row in rows], dtype=torch.long),
+        "labels": labels,
+        "position_ids": position_ids,
+        **segment_kwargs(position_ids),
+        **loss_positions(labels),
     }

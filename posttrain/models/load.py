@@ -7,6 +7,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.models.attention import transformers_name
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -39,8 +41,10 @@ def load_model(
     quantization_config=None,
 ) -> PreTrainedModel:
     """``quantization_config`` (a ``BitsAndBytesConfig``, ``posttrain.models.lora``) quantises the weights as
-    they load, straight onto ``device``."""
+    they load, straight onto ``device``. ``attn_implementation``: ``sdpa``, ``eager`` or ``varlen``
+    (``posttrain.models.attention``; resolve ``auto`` first with ``resolve_attn_implementation``)."""
     _check_path(path)
+    attn_implementation = transformers_name(attn_implementation)
     if quantization_config is not None:
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,

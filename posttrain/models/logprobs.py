@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from posttrain.models.attention import decoder_forward
+
 IGNORE_INDEX = -100
 # Below this many bytes of float32 logits, keep them for backward rather than recompute them.
 KEEP_LOGITS_BYTES = 64 * 2**20
@@ -33,6 +35,24 @@ def select_loss_positions(
     keep = shifted != IGNORE_INDEX
     rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(shifted)
     return hidden[:, :-1][keep], shifted[keep], rows[keep]
+
+
+# The batch keys of loss positions found on the host (``loss_positions``), as the preference pairs carry them.
+POSITION_KEYS = ("gather_index", "targets", "sequence_index")
+
+
+def loss_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
+    """:func:`select_loss_positions` worked out on the host, as flat indices into ``hidden.reshape(-1, H)``.
+
+    Selecting with a boolean mask makes the device report how many positions it kept before anything after
+    it can be queued (a host sync in every forward); a collate function calls this on the CPU labels
+    instead, and the forward gathers with ``index_select``. Returns ``gather_index`` (``row · seq + t``),
+    ``targets`` (``labels[row, t + 1]``) and ``sequence_index`` (``row``), in the order the mask selects.
+    """
+    shifted = labels[:, 1:]
+    keep = shifted != IGNORE_INDEX
+    rows, columns = keep.nonzero(as_tuple=True)
+    return {"gather_index": rows * labels.shape[1] + columns, "targets": shifted[keep], "sequence_index": rows}
 
 
 def _chunk_logprobs(
@@ -116,10 +136,15 @@ def model_token_logprobs(
     chunk_size: int = 1024,
     temperature: float = 1.0,
     return_entropy: bool = False,
+    segments: dict | None = None,
+    positions: dict | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Run an HF causal LM's decoder and return ``(token_logprobs [N], rows [N])`` at loss positions
     (``(token_logprobs, rows, entropy [N])`` with ``return_entropy``); ``temperature`` as in
-    ``chunked_token_logprobs``.
+    ``chunked_token_logprobs``. ``segments``: packed rows' boundaries for varlen attention
+    (``posttrain.models.attention.segment_kwargs``; ignored by the other implementations). ``positions``:
+    the loss positions the collate function found on the host (:func:`loss_positions`); without them they
+    are selected from ``labels`` on the device.
 
     Works for architectures whose logits are ``lm_head(final_hidden)`` without scaling or soft-capping
     (Llama, Mistral, Qwen2/3); others raise rather than return subtly wrong numbers.
@@ -129,10 +154,13 @@ def model_token_logprobs(
         if config is not None and getattr(config, attr, None) not in (None, 1.0):
             raise NotImplementedError(f"chunked log-probs do not support {attr} ({type(model).__name__})")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    outputs = decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    )
-    hidden, targets, rows = select_loss_positions(outputs.last_hidden_state, labels)
+    outputs = decoder_forward(decoder, input_ids, attention_mask, position_ids, segments)
+    if positions:
+        states = outputs.last_hidden_state
+        hidden = states.reshape(-1, states.shape[-1]).index_select(0, positions["gather_index"])
+        targets, rows = positions["targets"], positions["sequence_index"]
+    else:
+        hidden, targets, rows = select_loss_positions(outputs.last_hidden_state, labels)
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output head without bias")
@@ -178,8 +206,10 @@ class TokenLogprobModel(torch.nn.Module):
         position_ids: torch.Tensor | None = None,
         temperature: float = 1.0,
         return_entropy: bool = False,
+        segments: dict | None = None,
+        positions: dict | None = None,
     ) -> tuple[torch.Tensor, ...]:
         return model_token_logprobs(
             self.lm, input_ids, labels, attention_mask, position_ids, chunk_size=self.chunk_size,
-            temperature=temperature, return_entropy=return_entropy,
+            temperature=temperature, return_entropy=return_entropy, segments=segments, positions=positions,
         )

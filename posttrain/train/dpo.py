@@ -36,6 +36,7 @@ from posttrain.algorithms.preference import (
 )
 from posttrain.config.preference import DPORecipe
 from posttrain.data.io import append_jsonl
+from posttrain.models.attention import attention_for
 from posttrain.models.load import load_model
 from posttrain.models.lora import adapter_disabled
 from posttrain.train.evaluation import sharded_sums
@@ -78,7 +79,7 @@ def reference_spec(config: DPORecipe) -> ReferenceSpec:
     return ReferenceSpec(
         path=config.dpo.reference_model or config.model.path,
         dtype=config.model.dtype,
-        attn_implementation=config.model.attn_implementation,
+        attn_implementation=attention_for(config.model, config.train.precision),
         trust_remote_code=config.model.trust_remote_code,
         precision=config.train.precision,
         prefix_sharing=config.dpo.prefix_sharing,

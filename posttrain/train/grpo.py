@@ -102,6 +102,7 @@ def load_reference(config: GRPORecipe, root: torch.nn.Module):
     """The reference for the KL term (``rl.kl_beta > 0`` only): with ``model.lora`` and the base as the
     reference, the policy itself with its adapters disabled (no second model); else a frozen copy of
     ``rl.reference_model`` sharded like the policy."""
+    from posttrain.models.attention import attention_for
     from posttrain.models.load import load_model
     from posttrain.models.lora import adapter_disabled
 
@@ -112,7 +113,8 @@ def load_reference(config: GRPORecipe, root: torch.nn.Module):
         reference, context = root, adapter_disabled
         say(f"reference for the KL term (β={rl.kl_beta}): the policy with its LoRA adapters disabled")
     else:
-        reference = TokenLogprobModel(load_model(path, config.model.dtype, config.model.attn_implementation,
+        attention = attention_for(config.model, train_cfg.precision)
+        reference = TokenLogprobModel(load_model(path, config.model.dtype, attention,
                                                  config.model.trust_remote_code), train_cfg.loss_chunk_size)
         reference.requires_grad_(False)
         parallelize(reference, reference.lm, fsdp=train_cfg.fsdp, precision=train_cfg.precision,

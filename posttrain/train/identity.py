@@ -47,9 +47,11 @@ from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_val
 FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
 NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store"},
-                # compile and activation offload change how a step runs, not what it computes: a run may resume
-                # with them toggled (and checkpoints from before the keys existed still resume)
+                # compile, activation offload and the attention kernel change how a step runs, not what it
+                # computes: a run may resume with them toggled, or on other hardware (and checkpoints from
+                # before the keys existed still resume)
                 {"train": {"resume", "log_every", "keep_last", "compile", "activation_offload"},
+                 "model": {"attn_implementation"},
                  "health": {"stall_timeout_s"},
                  "debug": {"crash_at_step", "crash_rank", "hang_at_step", "hang_rank", "log_unit_ids"}})
 # model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).

@@ -28,6 +28,7 @@ from transformers import AutoModelForSequenceClassification
 from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
+from posttrain.models.attention import attention_for, transformers_name
 from posttrain.models.load import DTYPES, load_tokenizer
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
@@ -91,7 +92,7 @@ def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote
     placed = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                      "device_map": {"": torch.device(device)}}
     lm = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+        path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
         trust_remote_code=trust_remote_code, **placed,
     )
     # HF's own forward finds the last token through pad_token_id: without it, batched scoring refuses to run.
@@ -204,7 +205,8 @@ def run_reward_model(config: RewardModelRecipe) -> int:
 
         def load_lm(config: RewardModelRecipe, tokenizer) -> torch.nn.Module:
             model = config.model
-            return load_reward_lm(model.path, model.dtype, model.attn_implementation, model.trust_remote_code,
+            return load_reward_lm(model.path, model.dtype, attention_for(model, config.train.precision),
+                                  model.trust_remote_code,
                                   tokenizer.pad_token_id, quantization_config=base_quantization(config))
 
         root, lm, tokenizer = build_policy(config, RewardModel, load_lm, lora_task="SEQ_CLS")

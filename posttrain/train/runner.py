@@ -27,6 +27,7 @@ import torch
 from posttrain import dist
 from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
+from posttrain.models.attention import attention_for
 from posttrain.models.load import DTYPES, load_model, load_tokenizer
 from posttrain.models.lora import (
     LoraSetupError,
@@ -184,7 +185,8 @@ def load_causal_lm(config: TrainingRecipe, tokenizer) -> torch.nn.Module:  # noq
     model = config.model
     quantization = base_quantization(config)
     device = dist.device() if quantization is not None else "cpu"
-    return load_model(model.path, model.dtype, model.attn_implementation, model.trust_remote_code, device, quantization)
+    attention = attention_for(model, config.train.precision)
+    return load_model(model.path, model.dtype, attention, model.trust_remote_code, device, quantization)
 
 
 def build_policy(

@@ -20,7 +20,8 @@ from posttrain.data.errors import DataError
 from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
 from posttrain.data.tokenize import TokenizedExample, tokenize_records
-from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.models.attention import attention_kwargs
+from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS, TokenLogprobModel
 from posttrain.store.run_store import working_dir
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
@@ -148,14 +149,17 @@ def build_units(config: SFTRecipe, examples: list[TokenizedExample], pad_id: int
 
 def sft_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     """The loss the loop calls per micro-batch: summed NLL of the loss tokens (the loop normalises)."""
-    logprobs, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"))
+    positions = {key: batch[key] for key in POSITION_KEYS if key in batch}
+    logprobs, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
+                        segments=attention_kwargs(batch), positions=positions)
     return sft_loss(logprobs), {}
 
 
 def _collate(packing: bool, pad_id: int):
     def collate(units: list) -> dict[str, torch.Tensor]:
         batch = collate_packed(units) if packing else collate_padded(units, pad_id)
-        return {key: value.to(dist.device()) for key, value in batch.items()}
+        # the segment lengths stay Python ints (max_length_q/_k): the kernel takes them from the host
+        return {key: value.to(dist.device()) if torch.is_tensor(value) else value for key, value in batch.items()}
 
     return collate
 

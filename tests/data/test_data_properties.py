@@ -196,5 +196,8 @@ def test_packing_refuses_overlong_examples(data):
 def test_collate_packed_has_no_attention_mask():
     rows = pack_examples([TokenizedExample([5, 6], [5, 6], False, "a")], 4)
     batch = collate_packed(rows)
-    assert set(batch) == {"input_ids", "labels", "position_ids"}
+    assert set(batch) == {"input_ids", "labels", "position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q",
+                          "max_length_k", "gather_index", "targets", "sequence_index"}
     assert torch.equal(batch["position_ids"], torch.tensor([[0, 1, 0, 1]]))
+    # the example, then the padding segment (its positions restart at 0)
+    assert batch["cu_seq_lens_q"].tolist() == [0, 2, 4] and batch["max_length_q"] == 2

@@ -58,3 +58,22 @@ def test_budget_decides_whether_logits_are_kept_or_recomputed():
     logits_bytes = 6 * 10 * 4  # all float32 logits of the call below
     assert (3, 10) in _saved_shapes(logits_bytes)  # fits: each [chunk, vocab] block is kept for backward
     assert (3, 10) not in _saved_shapes(logits_bytes - 1)  # over budget: checkpointed, recomputed in backward
+
+
+def test_host_loss_positions_select_what_the_device_mask_selects():
+    """``loss_positions`` (on the host, flat indices) and ``select_loss_positions`` (a boolean mask on the
+    device) pick the same hidden states, targets and rows, in the same order."""
+    from posttrain.models.logprobs import IGNORE_INDEX, loss_positions, select_loss_positions
+
+    labels = torch.tensor([[IGNORE_INDEX, 7, 8, IGNORE_INDEX, 9],
+                           [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX],
+                           [3, IGNORE_INDEX, 4, 5, 6]])
+    hidden = torch.arange(3 * 5 * 2, dtype=torch.float32).reshape(3, 5, 2)
+    positions = loss_positions(labels)
+    # by hand: row 0 predicts 7, 8 from t=0, 1 and 9 from t=3; row 2 predicts 4, 5, 6 from t=1, 2, 3
+    assert positions["gather_index"].tolist() == [0, 1, 3, 11, 12, 13]
+    assert positions["targets"].tolist() == [7, 8, 9, 4, 5, 6]
+    assert positions["sequence_index"].tolist() == [0, 0, 0, 2, 2, 2]
+    selected, targets, rows = select_loss_positions(hidden, labels)
+    assert torch.equal(hidden.reshape(-1, 2).index_select(0, positions["gather_index"]), selected)
+    assert torch.equal(positions["targets"], targets) and torch.equal(positions["sequence_index"], rows)

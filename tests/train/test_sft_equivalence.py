@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+import yaml
 from transformers import AutoModelForCausalLM
 
+from posttrain.train.identity import config_identity
 from tests.train.conftest import base_overrides, final_weights, read_jsonl, run_in_process, run_subprocess
 
 
@@ -94,3 +96,28 @@ def test_mlp_recompute_is_a_switch_that_keeps_the_numbers(tiny_model_dir, sft_da
         runs[flag] = out
     assert "'recomputed_mlps': 2" in capsys.readouterr().err  # applied through parallelize() to both blocks
     assert_same_trajectory(runs["false"], runs["true"], weight_atol=1e-6)
+
+
+def test_packed_rows_train_the_same_through_varlen_attention(tiny_model_dir, sft_data, tmp_path):
+    """model.attn_implementation varlen (the reference kernel on CPU) against sdpa's block-diagonal mask:
+    the same packed run, step for step."""
+    runs = {}
+    packed = {"data.packing": "true", "train.max_length": 128, "train.batch_size": 2, "train.max_steps": 3}
+    # with full checkpointing the backward recomputes each block's attention from the same boundaries
+    variants = {"sdpa": {}, "varlen": {}, "varlen-ac": {"train.activation_checkpointing": "full"}}
+    for name, extra in variants.items():
+        runs[name] = tmp_path / name
+        implementation = name.split("-")[0]
+        overrides = base_overrides(tiny_model_dir, sft_data, runs[name],
+                                   **packed, **extra, **{"model.attn_implementation": implementation})
+        assert run_in_process(overrides) == 0
+    assert_same_trajectory(runs["sdpa"], runs["varlen"])
+    assert_same_trajectory(runs["sdpa"], runs["varlen-ac"])
+    # the attention kernel is not part of a run's identity: a checkpoint resumes on other hardware
+    configs = [resolved_config(runs[name]) for name in ("sdpa", "varlen")]
+    assert configs[0]["model"]["attn_implementation"] != configs[1]["model"]["attn_implementation"]
+    assert config_identity(configs[0]) == config_identity(configs[1])
+
+
+def resolved_config(run_dir):
+    return yaml.safe_load((run_dir / "config.yaml").read_text())
