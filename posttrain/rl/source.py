@@ -291,15 +291,17 @@ class GRPOSource:
     def collate(self, sequences: list[tuple[Sample, float]], counted: list[bool]) -> dict[str, Any]:
         """``rollout_batch``'s rows (right-padded prompt + completion, old log-probs aligned with the labels)
         with the advantages; a completion left out of the loss (``rl.mask_truncated``) keeps no label."""
-        from posttrain.models.logprobs import IGNORE_INDEX
+        from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS, loss_positions
 
         batch = rollout_batch([sample.rollout for sample, _ in sequences], self.pad_id, self.rl.temperature)
         dropped = torch.tensor([not keep for keep in counted])
         batch["labels"][dropped] = IGNORE_INDEX
         batch["advantages"] = torch.tensor([a for _, a in sequences], dtype=torch.float32)
+        batch.update(loss_positions(batch["labels"]))  # found here, on the host: no mask selection on the device
         device = dist.device()
         # No attention mask: rows are right-padded, so under causal attention no real token sees a pad.
-        return {key: batch[key].to(device) for key in ("input_ids", "labels", "old_logprobs", "advantages")}
+        keys = ("input_ids", "labels", "old_logprobs", "advantages", *POSITION_KEYS)
+        return {key: batch[key].to(device) for key in keys}
 
     # ------------------------------------------------------------------ state
 

@@ -90,7 +90,8 @@ def grpo_loss(config: GRPORecipe):
         low, high = stats["clip_low_tokens"], stats["clip_high_tokens"]
         metrics = {"clip_fraction": (low + high) * scale, "clip_fraction/low": low * scale,
                    "clip_fraction/high": high * scale, "entropy": entropy.detach().sum() * scale,
-                   "log_ratio": (logprobs.detach() - batch["old_logprobs"])[keep].sum() * scale}
+                   # a product, not mask indexing: indexing would wait for the device to count the kept tokens
+                   "log_ratio": ((logprobs.detach() - batch["old_logprobs"]) * keep).sum() * scale}
         if "kl_sum" in stats:
             metrics["kl"] = stats["kl_sum"] * scale
         return numerator, metrics

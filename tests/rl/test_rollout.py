@@ -207,3 +207,20 @@ def test_fsdp_two_ranks_match_one_process_and_gather_once_per_phase(eos_model_di
         # A training step gathers as it did before the rollout phase: FSDP's settings are restored.
         assert record["train_after"] == record["train_before"] and record["train_before"]["all_gathers"] > 0
         assert record["train_mode_kept"]
+
+
+def test_host_found_loss_positions_give_the_same_dense_logprobs(policy):
+    """GRPOSource's batches carry their loss positions (found on the host); the dense [B, L] layout must be
+    the one the device-side mask selection gives."""
+    from posttrain.models.logprobs import loss_positions
+
+    root, tokenizer = policy
+    params = SamplingParams(n=2, temperature=0.7, max_new_tokens=6, seed=5)
+    rollouts = _flat(sample_rollouts(root, root.lm, tokenizer, PROMPTS[:2], params, batch_size=4))
+    batch = rollout_batch(rollouts, tokenizer.pad_token_id, 0.7)
+    with torch.no_grad():
+        on_device, entropy = completion_logprobs(root, batch, 0.7, return_entropy=True)
+        on_host, host_entropy = completion_logprobs(root, {**batch, **loss_positions(batch["labels"])}, 0.7,
+                                                    return_entropy=True)
+    assert torch.equal(on_host, on_device) and torch.equal(host_entropy, entropy)
+    assert on_host[batch["completion_mask"]].lt(0).all()  # every completion token got its log-prob
