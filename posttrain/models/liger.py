@@ -136,15 +136,17 @@ def _swiglu_forward(kernel: Callable):
     return forward
 
 
-def _with_rope_kernel(forward: Callable, kernel: Callable) -> Callable:
-    def attention_forward(*args, **kwargs):
+def _rope_attention_forward(kernel: Callable):
+    # The class's forward, called with the kernel active: bound to the instance (no captured module), so a
+    # deep copy of the model calls its own attention.
+    def forward(self, *args, **kwargs):
         token = _ROPE_KERNEL.set(kernel)
         try:
-            return forward(*args, **kwargs)
+            return type(self).forward(self, *args, **kwargs)
         finally:
             _ROPE_KERNEL.reset(token)
 
-    return attention_forward
+    return forward
 
 
 def apply_kernels(lm: torch.nn.Module, kernels: Kernels | None = None) -> str:
@@ -173,7 +175,7 @@ def apply_kernels(lm: torch.nn.Module, kernels: Kernels | None = None) -> str:
             norms += 1
     for layer in decoder_layers(lm):
         layer.mlp.forward = MethodType(_swiglu_forward(kernels.swiglu), layer.mlp)
-        layer.self_attn.forward = _with_rope_kernel(layer.self_attn.forward, kernels.rope)
+        layer.self_attn.forward = MethodType(_rope_attention_forward(kernels.rope), layer.self_attn)
         mlps, attentions = mlps + 1, attentions + 1
     return f"Liger kernels: {norms} RMSNorm, {mlps} SwiGLU, RoPE in {attentions} attention blocks"
 

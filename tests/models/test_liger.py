@@ -9,6 +9,7 @@ test at the end runs Liger's real kernels.
 
 from __future__ import annotations
 
+import copy
 import sys
 import types
 from collections import Counter
@@ -128,6 +129,16 @@ def test_only_the_patched_instance_runs_the_kernels_and_its_numbers_are_unchange
         after = patched(input_ids).logits
     assert calls == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}  # one forward
     assert torch.equal(after, before)
+    calls.clear()
+    # A deep copy of the patched model runs its own (patched) modules: change its attention, and an unpatched
+    # copy changed the same way computes the same logits.
+    patched_copy, reference_copy = copy.deepcopy(patched), copy.deepcopy(reference)
+    with torch.no_grad():
+        for model in (patched_copy, reference_copy):
+            model.model.layers[0].self_attn.o_proj.weight.mul_(2.0)
+        changed = patched_copy(input_ids).logits
+        assert not torch.equal(changed, before) and torch.equal(changed, reference_copy(input_ids).logits)
+    assert calls == {"rms_norm": 2 * layers + 1, "swiglu": layers, "rope": layers}
     # The class, and a model loaded after the patch, are HF's as before: no kernel call, the same logits.
     calls.clear()
     assert modeling_llama.LlamaRMSNorm.forward is not patched.model.norm.forward.__func__
