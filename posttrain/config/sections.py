@@ -49,6 +49,12 @@ class ModelConfig(StrictModel):
         description="Train LoRA adapters through peft instead of the whole model (null: full fine-tuning). "
         "Export: output_dir/final is the merged model, output_dir/adapter the peft adapter.",
     )
+    liger: bool = Field(
+        default=False,
+        description="Liger's Triton kernels (pip install 'posttrain[liger]'; CUDA only): RMSNorm, SwiGLU and RoPE "
+        "in the policy (Llama, Mistral, Qwen2, Qwen3), and for SFT/pretrain loss a fused linear cross-entropy "
+        "head instead of posttrain's chunked one (docs/liger.md).",
+    )
 
 
 class DataConfig(StrictModel):

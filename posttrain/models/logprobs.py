@@ -11,6 +11,8 @@ tokens) they are kept instead: the recomputation would cost a head matmul and bu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -138,13 +140,16 @@ def model_token_logprobs(
     return_entropy: bool = False,
     segments: dict | None = None,
     positions: dict | None = None,
+    head_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, ...]:
     """Run an HF causal LM's decoder and return ``(token_logprobs [N], rows [N])`` at loss positions
     (``(token_logprobs, rows, entropy [N])`` with ``return_entropy``); ``temperature`` as in
     ``chunked_token_logprobs``. ``segments``: packed rows' boundaries for varlen attention
     (``posttrain.models.attention.segment_kwargs``; ignored by the other implementations). ``positions``:
     the loss positions the collate function found on the host (:func:`loss_positions`); without them they
-    are selected from ``labels`` on the device.
+    are selected from ``labels`` on the device. ``head_fn(hidden [N, H], weight [V, H], targets [N])``
+    replaces the chunked head and its value is returned in place of the token log-probs
+    (``TokenLogprobModel``'s summed head).
 
     Works for architectures whose logits are ``lm_head(final_hidden)`` without scaling or soft-capping
     (Llama, Mistral, Qwen2/3); others raise rather than return subtly wrong numbers.
@@ -164,6 +169,8 @@ def model_token_logprobs(
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output head without bias")
+    if head_fn is not None:
+        return head_fn(hidden, head.weight, targets), rows
     values = chunked_token_logprobs(hidden, head.weight, targets, chunk_size, temperature=temperature,
                                     return_entropy=return_entropy)
     if return_entropy:
@@ -191,12 +198,22 @@ class TokenLogprobModel(torch.nn.Module):
     Under FSDP2 this wrapper is the root module: its pre-forward hook gathers the embedding, final
     norm and output head, which then stay gathered through backward, so the chunked head can use the
     head weight directly. Export and generation use ``.lm``, the plain HF model.
+
+    ``forward(..., summed=True)`` returns ``(Σ token log-probs, rows)``: a scalar, all the SFT loss needs,
+    computed by ``summed_head(hidden [N, H], weight [V, H], targets [N])`` when one is given (Liger's fused
+    linear cross-entropy, ``posttrain.models.liger``), else by the chunked head. It runs inside this forward
+    so that under FSDP2 the head weight is the gathered one.
     """
 
-    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024):
+    def __init__(self, lm: torch.nn.Module, chunk_size: int = 1024,
+                 summed_head: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
         super().__init__()
         self.lm = lm
         self.chunk_size = chunk_size
+        self.summed_head = summed_head
+
+    def _chunked_sum(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return chunked_token_logprobs(hidden, weight, targets, self.chunk_size).sum()
 
     def forward(
         self,
@@ -208,8 +225,12 @@ class TokenLogprobModel(torch.nn.Module):
         return_entropy: bool = False,
         segments: dict | None = None,
         positions: dict | None = None,
+        summed: bool = False,
     ) -> tuple[torch.Tensor, ...]:
+        if summed and (temperature != 1.0 or return_entropy):
+            raise ValueError("summed=True is the SFT loss's sum at temperature 1, without entropies")
         return model_token_logprobs(
             self.lm, input_ids, labels, attention_mask, position_ids, chunk_size=self.chunk_size,
             temperature=temperature, return_entropy=return_entropy, segments=segments, positions=positions,
+            head_fn=(self.summed_head or self._chunked_sum) if summed else None,
         )

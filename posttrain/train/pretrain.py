@@ -17,7 +17,6 @@ from posttrain.data.records import stable_id
 from posttrain.data.shards import read_shards
 from posttrain.data.storage import storage_errors
 from posttrain.data.tokenize import TokenizedExample
-from posttrain.models.logprobs import TokenLogprobModel
 from posttrain.train.loop import train
 from posttrain.train.runner import (
     batch_geometry,
@@ -28,7 +27,7 @@ from posttrain.train.runner import (
     say,
     start_run,
 )
-from posttrain.train.sft import build_units, mean_loss_evaluator, sft_source, sft_step_loss
+from posttrain.train.sft import build_units, mean_loss_evaluator, sft_root, sft_source, sft_step_loss
 
 
 def _read_text_file(path: str) -> list[str]:
@@ -69,7 +68,7 @@ def run_pretrain(config: PretrainRecipe) -> int:
         if run.finished:
             return 0
         geometry = batch_geometry(config)
-        root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
+        root, lm, tokenizer = build_policy(config, sft_root(config))
         pad_id = tokenizer.pad_token_id
         texts = read_texts(config.data.train)
         examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in texts]

@@ -5,6 +5,9 @@ what its loss needs, MLP recompute + activation checkpointing + FSDP through ``p
 batch geometry with ``batch_geometry``, the loop's settings with ``loop_settings``, and ends with
 ``export_final`` and ``finish`` (the one-screen summary).
 
+``model.liger`` (``posttrain.models.liger``: Liger's RMSNorm, SwiGLU and RoPE kernels on the policy only) is
+checked and applied here too, before LoRA.
+
 ``model.lora`` is applied here and only here (``build_policy``, through ``posttrain.models.lora``), so every
 recipe that builds its policy this way trains adapters when it is set, and ``export_final`` writes the
 adapter and the merged model.
@@ -28,6 +31,7 @@ from posttrain import dist
 from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.models.attention import attention_for
+from posttrain.models.liger import apply_kernels, check_liger
 from posttrain.models.load import DTYPES, load_model, load_tokenizer
 from posttrain.models.lora import (
     LoraSetupError,
@@ -207,9 +211,13 @@ def build_policy(
     if lora is not None and lora.quantize != "none" and uses_fsdp(train.fsdp):
         raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' "
                              "4-bit weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
+    if config.model.liger:  # refused here, on every rank, before any weight loads
+        check_liger(config.model.path, config.model.trust_remote_code, train.recompute_mlp, dist.device())
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     lm = load_lm(config, tokenizer)
     lm.config.use_cache = False
+    if config.model.liger:  # on the base model, before peft wraps its projections
+        say(apply_kernels(lm))
     if lora is not None:
         lm = apply_lora(lm, lora, lora_task)
     trainable, total = parameter_counts(lm)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,21 @@ def build_units(config: SFTRecipe, examples: list[TokenizedExample], pad_id: int
         epochs += 1.0
 
 
+def sft_root(config) -> Callable[[torch.nn.Module], TokenLogprobModel]:
+    """``build_policy``'s ``wrap`` for the SFT loss (SFT, pretrain): with ``model.liger``, the summed log-prob
+    comes from Liger's fused linear cross-entropy instead of the chunked head (``posttrain.models.liger``)."""
+    summed_head = None
+    if config.model.liger:
+        from posttrain.models.liger import liger_summed_logprob as summed_head
+    return lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size, summed_head=summed_head)
+
+
 def sft_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     """The loss the loop calls per micro-batch: summed NLL of the loss tokens (the loop normalises)."""
     positions = {key: batch[key] for key in POSITION_KEYS if key in batch}
-    logprobs, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
-                        segments=attention_kwargs(batch), positions=positions)
-    return sft_loss(logprobs), {}
+    total, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
+                     segments=attention_kwargs(batch), positions=positions, summed=True)
+    return sft_loss(total), {}
 
 
 def _collate(packing: bool, pad_id: int):
@@ -208,7 +218,7 @@ def run_sft(config: SFTRecipe) -> int:
         if run.finished:
             return 0
         geometry = batch_geometry(config)
-        root, lm, tokenizer = build_policy(config, lambda lm: TokenLogprobModel(lm, config.train.loss_chunk_size))
+        root, lm, tokenizer = build_policy(config, sft_root(config))
         pad_id = tokenizer.pad_token_id
         data = tokenize_sft(config, config.data.train, tokenizer, "")
         units = build_units(config, data.examples, pad_id)
