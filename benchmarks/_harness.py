@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import shutil
 import statistics
 import subprocess
@@ -42,6 +43,62 @@ def build_bench_model(model_dir: Path, texts: Iterable[str], seed: int = 0) -> P
         model_dir, texts=corpus, vocab_size=4096, hidden_size=256, num_layers=4, num_heads=4,
         num_kv_heads=2, intermediate_size=688, max_position_embeddings=2048, seed=seed,
     )
+
+
+_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
+
+
+def synthetic_words(n: int, seed: int) -> list[str]:
+    """``n`` distinct made-up words of 1-3 syllables (sorted), the vocabulary of the synthetic texts below."""
+    rng = random.Random(seed)
+    words: set[str] = set()
+    while len(words) < n:
+        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))))
+    return sorted(words)
+
+
+class SyntheticText:
+    """Seeded word salad of a given length: only the token counts matter to a throughput benchmark."""
+
+    def __init__(self, seed: int, vocabulary: int = 3000):
+        self.words, self.rng = synthetic_words(vocabulary, seed), random.Random(seed)
+
+    def __call__(self, n_words: int) -> str:
+        return " ".join(self.rng.choice(self.words) for _ in range(n_words))
+
+    def corpus(self, n_texts: int, words: int = 60) -> list[str]:
+        """Texts to train the tokenizer on."""
+        return [self(words) + "." for _ in range(n_texts)]
+
+
+def write_synthetic_pairs(path: Path, text: SyntheticText, pairs: int, prompt_words: int | tuple[int, int],
+                          response_words: int | tuple[int, int]) -> Path:
+    """Conversational preference pairs; a ``(low, high)`` length is drawn uniformly per pair."""
+
+    def draw(n: int | tuple[int, int]) -> int:
+        return n if isinstance(n, int) else text.rng.randint(*n)
+
+    with open(path, "w") as handle:
+        for _ in range(pairs):
+            handle.write(json.dumps({
+                "prompt": [{"role": "user", "content": text(draw(prompt_words)) + "?"}],
+                "chosen": [{"role": "assistant", "content": text(draw(response_words)) + "."}],
+                "rejected": [{"role": "assistant", "content": text(draw(response_words)) + "."}],
+                "rationale": "synthetic benchmark pair",
+            }) + "\n")
+    return path
+
+
+def write_synthetic_chats(path: Path, text: SyntheticText, chats: int, user_words: tuple[int, int],
+                          assistant_words: tuple[int, int]) -> Path:
+    """Single-turn SFT chats (``messages``) whose lengths are drawn uniformly per chat."""
+    with open(path, "w") as handle:
+        for i in range(chats):
+            handle.write(json.dumps({"id": f"chat-{i:06d}", "messages": [
+                {"role": "user", "content": text(text.rng.randint(*user_words)) + "?"},
+                {"role": "assistant", "content": text(text.rng.randint(*assistant_words)) + "."},
+            ]}) + "\n")
+    return path
 
 
 def bench_inputs(args, build: Callable[[Path], tuple[Path, Path]]) -> tuple[Path, Path, Path]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import resource
 import subprocess
 import sys
@@ -39,39 +38,18 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_SYLLABLES = [c + v for c in "bcdfghjklmnprstvwz" for v in "aeiou"]
-
-
-def _word_list(n: int, seed: int) -> list[str]:
-    rng = random.Random(seed)
-    words: set[str] = set()
-    while len(words) < n:
-        words.add("".join(rng.choice(_SYLLABLES) for _ in range(rng.randint(1, 3))))
-    return sorted(words)
 
 
 def build_inputs(workdir: Path, pairs: int, prompt_words: int, response_words: int, seed: int) -> tuple[str, str]:
     """A ~6M-param tiny Llama with a 4k vocabulary, and ``pairs`` conversational preference pairs."""
+    from _harness import SyntheticText, write_synthetic_pairs
+
     from posttrain.models.tiny import build_tiny_model
 
-    words = _word_list(3000, seed)
-    rng = random.Random(seed)
-
-    def text(n: int) -> str:
-        return " ".join(rng.choice(words) for _ in range(n))
-
-    corpus = [text(60) + "." for _ in range(4000)]
-    model = build_tiny_model(workdir / "model", texts=corpus, vocab_size=4096, hidden_size=256, num_layers=4,
+    text = SyntheticText(seed)
+    model = build_tiny_model(workdir / "model", texts=text.corpus(4000), vocab_size=4096, hidden_size=256, num_layers=4,
                              num_heads=4, num_kv_heads=2, max_position_embeddings=1024, seed=seed)
-    data = workdir / "pairs.jsonl"
-    with open(data, "w") as handle:
-        for _ in range(pairs):
-            handle.write(json.dumps({
-                "prompt": [{"role": "user", "content": text(prompt_words) + "?"}],
-                "chosen": [{"role": "assistant", "content": text(response_words) + "."}],
-                "rejected": [{"role": "assistant", "content": text(response_words) + "."}],
-                "rationale": "synthetic benchmark pair",
-            }) + "\n")
+    data = write_synthetic_pairs(workdir / "pairs.jsonl", text, pairs, prompt_words, response_words)
     return str(model), str(data)
 
 

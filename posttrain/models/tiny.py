@@ -112,18 +112,33 @@ def build_tiny_model(
     max_position_embeddings: int = 1024,
     seed: int = 0,
     extra_special_tokens: Sequence[str] = (),
+    tie_word_embeddings: bool = False,
+    model_vocab_size: int | None = None,
+    init_device: str | torch.device = "cpu",
+    save_dtype: torch.dtype | None = None,
 ) -> Path:
-    """Build, seed and save a tiny Llama model plus tokenizer in HF format; return the directory."""
+    """Build, seed and save a tiny Llama model plus tokenizer in HF format; return the directory.
+
+    The same factory builds benchmark-sized Llamas (benchmarks/gpu.py): ``model_vocab_size`` gives the
+    embedding and output head more rows than the tokenizer has tokens (Llama-3's 128,256 with a small
+    tokenizer: the extra rows are never looked up but cost their full share of the head's matmul);
+    ``init_device`` draws the random weights there (a GPU initialises 8B parameters in seconds, a host
+    in minutes) and ``save_dtype`` casts them before saving (bf16 halves the file). The random draw
+    depends on the device, so the same seed gives different weights on CPU and GPU.
+    """
     output_dir = Path(output_dir)
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size, extra_special_tokens=extra_special_tokens)
+    if model_vocab_size is not None and model_vocab_size < len(tokenizer):
+        raise ValueError(f"model_vocab_size={model_vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     config = tiny_llama_config(
-        vocab_size=len(tokenizer),
+        vocab_size=model_vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
         intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
@@ -131,9 +146,12 @@ def build_tiny_model(
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
+        with torch.device(init_device):
+            model = LlamaForCausalLM(config)
     finally:
         torch.random.set_rng_state(generator_state)
+    if save_dtype is not None:
+        model = model.to(save_dtype)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     model.generation_config.bos_token_id = tokenizer.bos_token_id
