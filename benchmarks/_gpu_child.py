@@ -155,6 +155,14 @@ def run_posttrain(spec: dict) -> dict | None:
     validated, reason = _check_config(config)
     if validated is None:
         return {"status": "skipped", "reason": reason}
+    if spec["liger"]:  # the run would stop at setup with this one line (no package, no CUDA): say it, skipped
+        from posttrain.models.liger import LigerSetupError, check_liger
+
+        try:
+            check_liger(validated.model.path, validated.model.trust_remote_code, validated.train.recompute_mlp,
+                        torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        except LigerSetupError as exc:
+            return {"status": "skipped", "reason": str(exc)}
     if spec["cpu_offload"]:  # FSDP2 on one rank needs a process group: a 1-process torchrun's environment
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29533")
         torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
