@@ -82,7 +82,8 @@ def test_smoke_runs_rows_and_prints_one_json_line(tmp_path):
         row = rows[name]
         assert row["status"] == "ok", row
         assert row["token_match"] is True  # every timed step's micro-batches were found and counted
-        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["median_step_s"], rel=1e-3)
+        # median_step_s is rounded to 0.1 ms in the JSON: a 20 ms smoke step carries up to 0.5% of rounding
+        assert row["tokens_per_s"] == pytest.approx(row["tokens_per_step"] / row["median_step_s"], rel=1e-2)
         assert 0 < row["mfu"] == pytest.approx(
             row["flops_per_step"] / (row["median_step_s"] * report["machine"]["peak_tflops"] * 1e12), rel=1e-2)
         assert row["plan_peak_gib"] > 0 and "peak_vs_plan" not in row  # no device memory on CPU: no ratio
