@@ -218,11 +218,12 @@ def flash_varlen_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return varlen_attn(query, key, value, cu_seq_lens, cu_seq_lens, max_length, max_length, **options)
 
 
-def _compute_dtype(tensor: torch.Tensor) -> torch.dtype:
-    device_type = tensor.device.type
-    if torch.is_autocast_enabled(device_type):
-        return torch.get_autocast_dtype(device_type)
-    return tensor.dtype
+def compute_dtype(device: torch.device, dtype: torch.dtype) -> torch.dtype:
+    """The dtype attention runs in on ``device``: autocast's when it is on there, else ``dtype`` (the
+    tensors', or the possibly FSDP-cast weights')."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return dtype
 
 
 # ----------------------------------------------------------------------------- the transformers hooks
@@ -246,7 +247,7 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if dropout and module.training:
         raise NotImplementedError("varlen attention has no dropout; set the model's attention_dropout to 0")
     batch, heads, seq, head_dim = query.shape
-    dtype = _compute_dtype(query)
+    dtype = compute_dtype(query.device, query.dtype)
     flat = [t.transpose(1, 2).reshape(batch * seq, t.shape[1], head_dim).to(dtype) for t in (query, key, value)]
     if query.is_cuda and dtype in (torch.float16, torch.bfloat16):
         out = flash_varlen_attention(*flat, cu_seq_lens, int(kwargs["max_length_q"]), scaling)

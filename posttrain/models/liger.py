@@ -25,6 +25,7 @@ gradients, peak memory) on one device, for the GPU test and the benchmark.
 from __future__ import annotations
 
 import contextvars
+import functools
 import importlib
 import time
 from collections.abc import Callable
@@ -53,6 +54,12 @@ class LigerSetupError(RuntimeError):
     """``model.liger`` cannot run as configured; the one-line message says what to do."""
 
 
+def _require_supported(model_type: str) -> None:
+    if model_type not in SUPPORTED:
+        raise LigerSetupError(f"model.liger supports model types {', '.join(SUPPORTED)}, not {model_type!r}: "
+                              "set model.liger=false for this model")
+
+
 def check_liger(path: str, trust_remote_code: bool, recompute_mlp: bool, device: torch.device) -> None:
     """Refuse ``model.liger`` at run setup (before any weight loads) where it cannot work.
 
@@ -62,10 +69,7 @@ def check_liger(path: str, trust_remote_code: bool, recompute_mlp: bool, device:
     """
     from transformers import AutoConfig
 
-    model_type = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type
-    if model_type not in SUPPORTED:
-        raise LigerSetupError(f"model.liger supports model types {', '.join(SUPPORTED)}, not {model_type!r}: "
-                              "set model.liger=false for this model")
+    _require_supported(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type)
     if recompute_mlp:
         raise LigerSetupError("model.liger and train.recompute_mlp both replace each gated MLP's forward: set one "
                               "of them (Liger's SwiGLU kernel already recomputes silu(gate) in backward)")
@@ -159,8 +163,7 @@ def apply_kernels(lm: torch.nn.Module, kernels: Kernels | None = None) -> str:
     ``gate`` and ``up``).
     """
     model_type = lm.config.model_type
-    if model_type not in SUPPORTED:
-        raise LigerSetupError(f"model.liger supports model types {', '.join(SUPPORTED)}, not {model_type!r}")
+    _require_supported(model_type)
     if getattr(lm.config, "hidden_act", "silu") not in GATED_ACTIVATIONS:
         raise LigerSetupError(f"model.liger: Liger's SwiGLU kernel is silu-gated; this model's hidden_act is "
                               f"{lm.config.hidden_act!r}: set model.liger=false")
@@ -238,12 +241,9 @@ def compare_heads(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
     "peak_bytes_liger"``} (CUDA peak allocation above what was allocated before the pass; None off CUDA).
     ``fused_head`` replaces Liger's head (default ``liger_summed_logprob``).
     """
-    from posttrain.models.logprobs import chunked_token_logprobs
+    from posttrain.models.logprobs import chunked_summed_logprob
 
-    def chunked(h, w, t):
-        return chunked_token_logprobs(h, w, t, chunk_size).sum()
-
-    reference = _run_head(chunked, hidden, weight, targets)
+    reference = _run_head(functools.partial(chunked_summed_logprob, chunk_size=chunk_size), hidden, weight, targets)
     fused = _run_head(fused_head or liger_summed_logprob, hidden, weight, targets)
     return {
         "loss_chunked": float(reference["loss"]),

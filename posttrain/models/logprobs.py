@@ -24,37 +24,28 @@ IGNORE_INDEX = -100
 KEEP_LOGITS_BYTES = 64 * 2**20
 
 
-def select_loss_positions(
-    hidden: torch.Tensor, labels: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gather the hidden states that predict a loss-bearing label.
-
-    ``hidden[:, t]`` predicts ``labels[:, t + 1]``; positions whose next label is ``IGNORE_INDEX``
-    are dropped. Returns ``(hidden_sel [N, H], targets [N], row [N])`` where ``row`` is the batch
-    row of each selected position (for per-sequence sums).
-    """
-    shifted = labels[:, 1:]
-    keep = shifted != IGNORE_INDEX
-    rows = torch.arange(labels.shape[0], device=labels.device).unsqueeze(1).expand_as(shifted)
-    return hidden[:, :-1][keep], shifted[keep], rows[keep]
-
-
-# The batch keys of loss positions found on the host (``loss_positions``), as the preference pairs carry them.
+# The batch keys of the loss positions (``loss_positions``), as the preference pairs carry them too.
 POSITION_KEYS = ("gather_index", "targets", "sequence_index")
 
 
 def loss_positions(labels: torch.Tensor) -> dict[str, torch.Tensor]:
-    """:func:`select_loss_positions` worked out on the host, as flat indices into ``hidden.reshape(-1, H)``.
+    """The hidden states that predict a loss-bearing label, as flat indices into ``hidden.reshape(-1, H)``.
 
-    Selecting with a boolean mask makes the device report how many positions it kept before anything after
-    it can be queued (a host sync in every forward); a collate function calls this on the CPU labels
-    instead, and the forward gathers with ``index_select``. Returns ``gather_index`` (``row · seq + t``),
-    ``targets`` (``labels[row, t + 1]``) and ``sequence_index`` (``row``), in the order the mask selects.
+    ``hidden[:, t]`` predicts ``labels[:, t + 1]``; positions whose next label is ``IGNORE_INDEX`` are
+    dropped. Returns ``gather_index`` (``row · seq + t``), ``targets`` (``labels[row, t + 1]``) and
+    ``sequence_index`` (``row``, for per-sequence sums), in row-major order. Collate functions call it on
+    the CPU labels: on a device, finding the positions makes the host wait for the device to count them (a
+    sync in every forward); the forward then only gathers, with ``index_select``.
     """
     shifted = labels[:, 1:]
     keep = shifted != IGNORE_INDEX
     rows, columns = keep.nonzero(as_tuple=True)
     return {"gather_index": rows * labels.shape[1] + columns, "targets": shifted[keep], "sequence_index": rows}
+
+
+def batch_positions(batch: dict) -> dict[str, torch.Tensor] | None:
+    """The loss positions a collate function put in ``batch`` (:data:`POSITION_KEYS`), or None."""
+    return {key: batch[key] for key in POSITION_KEYS} if POSITION_KEYS[0] in batch else None
 
 
 def _chunk_logprobs(
@@ -115,6 +106,13 @@ def chunked_token_logprobs(
     return (torch.cat(pieces), torch.cat(entropies)) if return_entropy else torch.cat(pieces)
 
 
+def chunked_summed_logprob(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                           chunk_size: int = 1024) -> torch.Tensor:
+    """``Σ_i log softmax(hidden_i · weightᵀ)[targets_i]`` through :func:`chunked_token_logprobs`: the SFT loss's
+    head (``TokenLogprobModel(summed=True)``), and the reference Liger's fused head is measured against."""
+    return chunked_token_logprobs(hidden, weight, targets, chunk_size).sum()
+
+
 def naive_token_logprobs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Reference implementation over full logits ``[B, T, V]``; used by tests only."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)[:, :-1]
@@ -147,7 +145,7 @@ def model_token_logprobs(
     ``chunked_token_logprobs``. ``segments``: packed rows' boundaries for varlen attention
     (``posttrain.models.attention.segment_kwargs``; ignored by the other implementations). ``positions``:
     the loss positions the collate function found on the host (:func:`loss_positions`); without them they
-    are selected from ``labels`` on the device. ``head_fn(hidden [N, H], weight [V, H], targets [N])``
+    are found from ``labels`` here, on the device. ``head_fn(hidden [N, H], weight [V, H], targets [N])``
     replaces the chunked head and its value is returned in place of the token log-probs
     (``TokenLogprobModel``'s summed head).
 
@@ -160,12 +158,10 @@ def model_token_logprobs(
             raise NotImplementedError(f"chunked log-probs do not support {attr} ({type(model).__name__})")
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     outputs = decoder_forward(decoder, input_ids, attention_mask, position_ids, segments)
-    if positions:
-        states = outputs.last_hidden_state
-        hidden = states.reshape(-1, states.shape[-1]).index_select(0, positions["gather_index"])
-        targets, rows = positions["targets"], positions["sequence_index"]
-    else:
-        hidden, targets, rows = select_loss_positions(outputs.last_hidden_state, labels)
+    positions = positions or loss_positions(labels)
+    states = outputs.last_hidden_state
+    hidden = states.reshape(-1, states.shape[-1]).index_select(0, positions["gather_index"])
+    targets, rows = positions["targets"], positions["sequence_index"]
     head = model.get_output_embeddings()
     if getattr(head, "bias", None) is not None:
         raise NotImplementedError("chunked log-probs assume an output head without bias")
@@ -213,7 +209,7 @@ class TokenLogprobModel(torch.nn.Module):
         self.summed_head = summed_head
 
     def _chunked_sum(self, hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return chunked_token_logprobs(hidden, weight, targets, self.chunk_size).sum()
+        return chunked_summed_logprob(hidden, weight, targets, self.chunk_size)
 
     def forward(
         self,

@@ -44,7 +44,7 @@ import torch
 
 from posttrain.data.chat import Prompt, encode_prompt
 from posttrain.generate.engine import HFBackend, SamplingParams
-from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS
+from posttrain.models.logprobs import IGNORE_INDEX, batch_positions, loss_positions
 
 __all__ = ["Rollout", "completion_logprobs", "full_weights", "rollout_batch", "sample_rollouts"]
 
@@ -226,17 +226,14 @@ def completion_logprobs(
     no real token can see a pad, and without it the attention takes its mask-free causal path.
     """
     labels = batch["labels"]
-    positions = {key: batch[key] for key in POSITION_KEYS if key in batch}
+    positions = batch_positions(batch) or loss_positions(labels)
     out = model(batch["input_ids"], labels, temperature=temperature, return_entropy=return_entropy,
-                positions=positions or None)
-    mask = labels[:, 1:] != IGNORE_INDEX
+                positions=positions)
+    # the label a hidden state at flat index i predicts sits at flat index i + 1
+    label_index = positions["gather_index"] + 1
 
     def dense(values: torch.Tensor) -> torch.Tensor:
-        full = values.new_zeros(labels.shape)
-        if positions:  # the label a hidden state at flat index i predicts sits at i + 1
-            return full.view(-1).index_copy(0, positions["gather_index"] + 1, values).view(labels.shape)
-        full[:, 1:] = full[:, 1:].masked_scatter(mask, values)
-        return full
+        return values.new_zeros(labels.numel()).index_copy(0, label_index, values).view(labels.shape)
 
     if return_entropy:
         return dense(out[0]), dense(out[2])

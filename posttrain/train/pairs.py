@@ -29,7 +29,8 @@ from posttrain import dist
 from posttrain.data.io import write_jsonl as write_rows
 from posttrain.data.records import PreferencePair
 from posttrain.data.tokenize import TokenizedExample, tokenize_preference
-from posttrain.models.logprobs import IGNORE_INDEX, chunked_token_logprobs, per_sequence_sum
+from posttrain.models.attention import compute_dtype
+from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS, chunked_token_logprobs, per_sequence_sum
 from posttrain.progress import progress
 from posttrain.store.run_store import working_dir
 
@@ -288,18 +289,11 @@ MODEL_KEYS = ("input_ids", "position_ids", "attention_mask")
 def model_inputs(batch: dict[str, torch.Tensor], device: torch.device | None = None) -> dict[str, torch.Tensor]:
     """The tensors the forward needs, moved to ``device`` (default: the rank's device)."""
     device = device or dist.device()
-    keys = (*MODEL_KEYS, "gather_index", "targets", "sequence_index")
+    keys = (*MODEL_KEYS, *POSITION_KEYS)
     return {key: batch[key].to(device) for key in keys}
 
 
 # ------------------------------------------------------------------------------------------------ forward
-
-
-def _compute_dtype(decoder: torch.nn.Module, device: torch.device) -> torch.dtype:
-    """The dtype attention runs in: autocast's when it is on, else the (possibly FSDP-cast) weights'."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return decoder.get_input_embeddings().weight.dtype
 
 
 def decoder_hidden(
@@ -313,7 +307,7 @@ def decoder_hidden(
     """
     decoder = lm.get_decoder() if hasattr(lm, "get_decoder") else getattr(lm, lm.base_model_prefix)
     if attention_mask.dim() == 4 and attention_mask.dtype == torch.bool:
-        dtype = _compute_dtype(decoder, attention_mask.device)
+        dtype = compute_dtype(attention_mask.device, decoder.get_input_embeddings().weight.dtype)
         blocked = torch.full((), torch.finfo(dtype).min, dtype=dtype, device=attention_mask.device)
         attention_mask = torch.where(attention_mask, torch.zeros((), dtype=dtype, device=blocked.device), blocked)
     outputs = decoder(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

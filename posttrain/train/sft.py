@@ -22,7 +22,7 @@ from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
 from posttrain.data.tokenize import TokenizedExample, tokenize_records
 from posttrain.models.attention import attention_kwargs
-from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS, TokenLogprobModel
+from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel, batch_positions
 from posttrain.store.run_store import working_dir
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
@@ -159,9 +159,8 @@ def sft_root(config) -> Callable[[torch.nn.Module], TokenLogprobModel]:
 
 def sft_step_loss(model: torch.nn.Module, batch: dict[str, torch.Tensor]):
     """The loss the loop calls per micro-batch: summed NLL of the loss tokens (the loop normalises)."""
-    positions = {key: batch[key] for key in POSITION_KEYS if key in batch}
     total, _ = model(batch["input_ids"], batch["labels"], batch.get("attention_mask"), batch.get("position_ids"),
-                     segments=attention_kwargs(batch), positions=positions, summed=True)
+                     segments=attention_kwargs(batch), positions=batch_positions(batch), summed=True)
     return sft_loss(total), {}
 
 

@@ -61,9 +61,9 @@ def test_budget_decides_whether_logits_are_kept_or_recomputed():
 
 
 def test_host_loss_positions_select_what_the_device_mask_selects():
-    """``loss_positions`` (on the host, flat indices) and ``select_loss_positions`` (a boolean mask on the
-    device) pick the same hidden states, targets and rows, in the same order."""
-    from posttrain.models.logprobs import IGNORE_INDEX, loss_positions, select_loss_positions
+    """``loss_positions`` (flat indices, found on the host) picks the hidden states, targets and rows a
+    boolean mask over ``labels[:, 1:]`` selects, in the same order."""
+    from posttrain.models.logprobs import IGNORE_INDEX, loss_positions
 
     labels = torch.tensor([[IGNORE_INDEX, 7, 8, IGNORE_INDEX, 9],
                            [IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX],
@@ -74,6 +74,8 @@ def test_host_loss_positions_select_what_the_device_mask_selects():
     assert positions["gather_index"].tolist() == [0, 1, 3, 11, 12, 13]
     assert positions["targets"].tolist() == [7, 8, 9, 4, 5, 6]
     assert positions["sequence_index"].tolist() == [0, 0, 0, 2, 2, 2]
-    selected, targets, rows = select_loss_positions(hidden, labels)
+    keep = labels[:, 1:] != IGNORE_INDEX  # the device-side selection: hidden[:, t] predicts labels[:, t + 1]
+    selected, targets = hidden[:, :-1][keep], labels[:, 1:][keep]
+    rows = torch.arange(3).unsqueeze(1).expand_as(keep)[keep]
     assert torch.equal(hidden.reshape(-1, 2).index_select(0, positions["gather_index"]), selected)
     assert torch.equal(positions["targets"], targets) and torch.equal(positions["sequence_index"], rows)
