@@ -82,11 +82,16 @@ def prefix_shared_pairs(prompt: int, chosen: int, rejected: int) -> int:
 
 
 def segments_from_positions(position_ids: list[int], input_ids: list[int], pad_id: int | None) -> list[int]:
-    """Lengths of a packed row's segments (a segment starts where the position does not grow by one), padding dropped.
+    """Lengths of a packed row's segments (``posttrain.models.attention.segment_boundaries``: the rule the
+    varlen kernel and transformers' mask use), padding dropped.
 
     A segment made only of ``pad_id`` tokens is the row's padding, not an example.
     """
-    starts = [i for i, p in enumerate(position_ids) if i == 0 or p != position_ids[i - 1] + 1] + [len(position_ids)]
+    import torch
+
+    from posttrain.models.attention import segment_boundaries
+
+    starts = segment_boundaries(torch.tensor([position_ids]))[0].tolist()
     return [b - a for a, b in zip(starts, starts[1:], strict=False)
             if pad_id is None or any(t != pad_id for t in input_ids[a:b])]
 
