@@ -23,7 +23,10 @@ from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, run_python
 
 SUPPORTED, WHY = sandbox_support()
 needs_sandbox = pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
-SMALL = SandboxLimits(timeout_s=3.0, cpu_s=2, memory_mb=256, max_processes=16)
+# The CPU limit bounds every hostile case (a spinning parent is stopped at 2 CPU-seconds); the wall clock
+# is only a backstop, and a generous one, because on a loaded 2-core CI box a 0.3 s memory hog once took
+# over 3 s of wall time and was scored "timeout" instead of "memory".
+SMALL = SandboxLimits(timeout_s=30.0, cpu_s=2, memory_mb=256, max_processes=16)
 
 
 def _alive_with_cmdline(fragment: str) -> list[int]:
@@ -193,7 +196,7 @@ def test_refuses_code_without_isolation_unless_allowed(monkeypatch):
 UNPRIVILEGED_SCRIPT = """
 import json, sys
 from posttrain.eval.sandbox import SandboxLimits, run_python, sandbox_support
-limits = SandboxLimits(timeout_s=3, cpu_s=2, memory_mb=256, max_processes=16)
+limits = SandboxLimits(timeout_s=30, cpu_s=2, memory_mb=256, max_processes=16)
 print(json.dumps({
     "support": sandbox_support()[0],
     "fork": run_python("import os\\nwhile True:\\n    os.fork()", limits).status,
