@@ -8,11 +8,13 @@ import builtins
 import pytest
 
 from posttrain.eval.items import SUITES, _load_builtin_suites, load_suite
-from posttrain.eval.sandbox import SandboxLimits, sandbox_support
+from posttrain.eval.sandbox import sandbox_support
 from posttrain.eval.verifiers import VerifySettings, verify
 
+from .conftest import roomy_limits
+
 SUPPORTED, WHY = sandbox_support()
-SETTINGS = VerifySettings(code_limits=SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512, max_processes=16),
+SETTINGS = VerifySettings(code_limits=roomy_limits(),
                           allow_unsandboxed_code=not SUPPORTED)
 
 LIARS = {

@@ -9,10 +9,12 @@ import textwrap
 import pytest
 
 from posttrain.eval import sandbox
-from posttrain.eval.sandbox import SandboxLimits, run_tests, sandbox_support
+from posttrain.eval.sandbox import run_tests, sandbox_support
+
+from .conftest import roomy_limits
 
 SUPPORTED, WHY = sandbox_support()
-LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512, max_processes=16)
+LIMITS = roomy_limits()
 
 SOLUTION = textwrap.dedent("""
     import math

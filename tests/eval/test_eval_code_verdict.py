@@ -11,12 +11,14 @@ import textwrap
 import pytest
 
 from posttrain.eval.items import EvalItem
-from posttrain.eval.sandbox import SandboxLimits, sandbox_support
+from posttrain.eval.sandbox import sandbox_support
 from posttrain.eval.verifiers import VerifySettings, verify
+
+from .conftest import roomy_limits
 
 SUPPORTED, WHY = sandbox_support()
 needs_sandbox = pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
-SETTINGS = VerifySettings(code_limits=SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=512, max_processes=16))
+SETTINGS = VerifySettings(code_limits=roomy_limits())
 ADD = EvalItem(id="add", prompt="write add", verifier="code", group="code",
                tests="assert add(2, 3) == 5\nassert add(-1, 1) == 0\n")
 

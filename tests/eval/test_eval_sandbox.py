@@ -21,12 +21,11 @@ from posttrain.eval.harness import evaluate
 from posttrain.eval.items import Suite
 from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, run_python, sandbox_support
 
+from .conftest import roomy_limits
+
 SUPPORTED, WHY = sandbox_support()
 needs_sandbox = pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
-# The CPU limit bounds every hostile case (a spinning parent is stopped at 2 CPU-seconds); the wall clock
-# is only a backstop, and a generous one, because on a loaded 2-core CI box a 0.3 s memory hog once took
-# over 3 s of wall time and was scored "timeout" instead of "memory".
-SMALL = SandboxLimits(timeout_s=30.0, cpu_s=2, memory_mb=256, max_processes=16)
+SMALL = roomy_limits(cpu_s=2, memory_mb=256)
 
 
 def _alive_with_cmdline(fragment: str) -> list[int]:

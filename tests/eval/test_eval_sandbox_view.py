@@ -20,9 +20,11 @@ from posttrain.eval.items import EvalItem
 from posttrain.eval.sandbox import SandboxLimits, run_python, sandbox_support
 from posttrain.eval.verifiers import VerifySettings, verify
 
+from .conftest import roomy_limits
+
 SUPPORTED, WHY = sandbox_support()
 needs_sandbox = pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
-SMALL = SandboxLimits(timeout_s=10.0, cpu_s=5, memory_mb=256, max_processes=16)
+SMALL = roomy_limits(memory_mb=256)
 
 
 @pytest.fixture
