@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from posttrain.config.loader import StrictModel
+from posttrain.config.redact import SECRET
 
 
 class LoraConfig(StrictModel):
@@ -211,7 +212,9 @@ class HealthConfig(StrictModel):
 
 
 class AlertsConfig(StrictModel):
-    webhook: str | None = Field(default=None, description="POST each alert as JSON to this URL.")
+    webhook: str | None = Field(default=None, json_schema_extra=SECRET, description=(
+        "POST each alert as JSON to this URL. A credential (Slack's and most others carry the token in the "
+        "URL): trackers receive it redacted."))
     timeout_s: float = 5.0
 
 

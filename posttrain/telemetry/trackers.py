@@ -3,8 +3,9 @@
 A tracker has ``log(record)`` (a record with its ``step``) and ``close()``; ``MetricsSink`` holds a list of
 them and fans every record out once. TensorBoard (``metrics.tensorboard``, when installed), Weights &
 Biases (``metrics.wandb``) and MLflow (``metrics.mlflow``) are the three; W&B and MLflow also get the
-resolved config as the run's config / params. A configured tracker whose package is missing is an error
-that names the extra to install, raised on every rank before training starts (``check_trackers``).
+resolved config, secrets masked (``posttrain.config.redact``), as the run's config / params. A configured
+tracker whose package is missing is an error that names the extra to install, raised on every rank before
+training starts (``check_trackers``).
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ import torch
 from posttrain import dist
 from posttrain.config.loader import dump_config
 from posttrain.config.recipes import TrainingRecipe
+from posttrain.config.redact import public_dump
 from posttrain.models.attention import attention_for
 from posttrain.models.liger import apply_kernels, check_liger
 from posttrain.models.load import DTYPES, load_model, load_tokenizer
@@ -277,7 +278,7 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         log_unit_ids=debug.log_unit_ids,
         tensorboard=config.metrics.tensorboard,
         telemetry=config.metrics,
-        run_config=config.model_dump(mode="json"),
+        run_config=public_dump(config),  # secrets stay out of W&B and MLflow
     )
 
 

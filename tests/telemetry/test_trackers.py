@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from posttrain.config.redact import REDACTED
 from posttrain.telemetry.trackers import TrackerUnavailable, check_trackers, flat_params
 from tests.train.conftest import base_overrides, read_jsonl, run_in_process
 
@@ -41,13 +42,17 @@ def wandb_records(path: Path):
             yield record
 
 
+WEBHOOK = "http://127.0.0.1:9/hooks/T000/s3cr3tT0ken"  # a credential: trackers must never see it
+
+
 @pytest.fixture(scope="module")
 def tracked_run(tiny_model_dir, sft_data, tmp_path_factory):
     root = tmp_path_factory.mktemp("trackers")
     out = root / "run"
     overrides = base_overrides(tiny_model_dir, sft_data, out, **{
         "train.max_steps": 3, "metrics.wandb": "{project: posttrain-test, mode: offline, dir: " + str(root) + "}",
-        "metrics.mlflow": "{tracking_uri: file://" + str(root / "mlruns") + ", experiment: tiny, run_name: sft}"})
+        "metrics.mlflow": "{tracking_uri: file://" + str(root / "mlruns") + ", experiment: tiny, run_name: sft}",
+        "alerts.webhook": WEBHOOK})
     monkey = pytest.MonkeyPatch()
     monkey.setenv("WANDB_SILENT", "true")
     monkey.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3 keeps its file store behind this opt-in
@@ -79,6 +84,7 @@ def test_wandb_offline_run_holds_every_step_record_and_the_config(tracked_run):
             assert row[key] == pytest.approx(step[key], rel=1e-12), key
         assert row["skipped"] == 0  # a bool, logged as a number
     assert config["train"]["max_steps"] == 3 and config["metrics"]["wandb"]["mode"] == "offline"
+    assert config["alerts"]["webhook"] == REDACTED and b"s3cr3tT0ken" not in run_file.read_bytes()
 
 
 def test_mlflow_file_store_holds_every_step_record_and_the_config_as_params(tracked_run, monkeypatch):
@@ -94,6 +100,8 @@ def test_mlflow_file_store_holds_every_step_record_and_the_config_as_params(trac
         assert [m.step for m in history] == [0, 1, 2]
         assert [m.value for m in history] == pytest.approx([s[key] for s in steps], rel=1e-12), key
     assert run.data.params["train.max_steps"] == "3" and run.data.params["metrics.mlflow.experiment"] == "tiny"
+    assert run.data.params["alerts.webhook"] == REDACTED
+    assert not any("s3cr3tT0ken" in value for value in run.data.params.values())
 
 
 def test_a_configured_tracker_that_is_not_installed_names_the_extra(monkeypatch):
