@@ -3,18 +3,21 @@ and the two signals a preempted process leaves for whoever launched it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+from pathlib import Path
 
 EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_BAD_CONFIG = 2  # bad config or bad input: the message names file, line and field
 EXIT_RESUMABLE = 75  # preempted (SIGTERM/SIGINT): a checkpoint was saved; rerun the same command to resume
 
-# ``posttrain launch`` sets this to a file path; a rank that exits 75 writes the step it saved there, so the
-# launcher can end with 75 when torchrun's agent itself was the one signalled.
-PREEMPTED_FILE_ENV = "POSTTRAIN_PREEMPTED_FILE"
+# ``posttrain launch`` sets this to a file path. A worker that is about to exit 75 appends one JSON line there
+# (``{"kind": "preempted" | "stalled", "pid": …, …}``), so the launcher can end with 75, and say why, when torchrun's
+# agent itself was signalled or when the peers of a stalled rank died of the broken collective (exit 1).
+LAUNCH_MARKS_ENV = "POSTTRAIN_LAUNCH_MARKS"
 
 
 class Preempted(BaseException):  # noqa: N818 - like KeyboardInterrupt, it is a request, not an error
@@ -24,15 +27,41 @@ class Preempted(BaseException):  # noqa: N818 - like KeyboardInterrupt, it is a 
     """
 
 
-def mark_preempted(step: int | None) -> None:
-    """Tell ``posttrain launch`` that this process was preempted (``step``: the checkpoint saved, if any)."""
-    path = os.environ.get(PREEMPTED_FILE_ENV)
+def _mark(kind: str, **fields) -> None:
+    path = os.environ.get(LAUNCH_MARKS_ENV)
     if path:
         try:
             with open(path, "a", encoding="utf-8") as handle:
-                handle.write(f"{step if step is not None else ''}\n")
+                handle.write(json.dumps({"kind": kind, "pid": os.getpid(), **fields}) + "\n")
         except OSError:
             pass  # the exit code 75 says the same; the file only helps the launcher
+
+
+def mark_preempted(step: int | None) -> None:
+    """Tell ``posttrain launch`` that this process was preempted (``step``: the checkpoint saved, if any)."""
+    _mark("preempted", step=step)
+
+
+def mark_stalled(rank: int, step: int, idle_s: float) -> None:
+    """Tell ``posttrain launch`` that this process's stall watchdog is ending it (exit 75)."""
+    _mark("stalled", rank=rank, step=step, idle_s=round(idle_s, 1))
+
+
+def read_launch_marks(path: str | os.PathLike) -> list[dict]:
+    """The marks the workers left in ``path`` (none when it does not exist); a torn last line is skipped."""
+    try:
+        lines = Path(path).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return []
+    marks = []
+    for line in lines:
+        try:
+            mark = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(mark, dict):
+            marks.append(mark)
+    return marks
 
 
 def raise_preempted_on_signals() -> None:

@@ -4,8 +4,9 @@ A scheduler preempts a distributed job by sending SIGTERM to the process it star
 The agent passes the signal to the workers (each finishes its step, saves a checkpoint and exits 75),
 waits for them, and then dies with a ``SignalException`` traceback and exit code 1, so the job looks
 failed although it saved and can resume. ``posttrain launch`` runs the same agent in this process and
-keeps the promise of ``posttrain``'s exit codes: 75 when the run was preempted (by a signal to the agent or
-to the workers), 1 with one line naming the failed ranks otherwise, 0 when every worker finished.
+keeps the promise of ``posttrain``'s exit codes: 75 when the run can resume (a signal to the agent or to the
+workers, or a rank whose stall watchdog fired while its peers died of the broken collective), 1 with one line
+naming the failed ranks otherwise, 0 when every worker finished.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from posttrain.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_RESUMABLE, PREEMPTED_FILE_ENV
+from posttrain.exit_codes import EXIT_FAILED, EXIT_OK, EXIT_RESUMABLE, LAUNCH_MARKS_ENV, read_launch_marks
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -44,8 +45,26 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], list[str]]:
     return arguments[:cut], command
 
 
-def _preempted_steps(flag: Path) -> list[str]:
-    return [line for line in flag.read_text().splitlines()] if flag.exists() else []
+def failure_outcome(failures: dict[int, tuple[int, int]], marks: list[dict]) -> tuple[int, str]:
+    """Exit code and one line for a group that failed: ``failures`` maps rank to ``(pid, exit code)`` of the
+    final attempt's failed workers; ``marks`` are what workers left (``posttrain.exit_codes``). Only marks of
+    those processes count, so an earlier attempt's stall does not make a later real failure look resumable.
+
+    A stall is resumable whatever the peers exited with: they die of the collective the stalled rank broke."""
+    pids = {pid for pid, _ in failures.values()}
+    current = [mark for mark in marks if mark.get("pid") in pids]
+    codes = ", ".join(f"rank {rank} exited with {code}" for rank, (_, code) in sorted(failures.items()))
+    stalled = [mark for mark in current if mark.get("kind") == "stalled"]
+    if stalled:
+        first = stalled[0]
+        ranks = ", ".join(str(mark.get("rank")) for mark in stalled)
+        return EXIT_RESUMABLE, (f"posttrain launch: stalled: no progress on rank {ranks} at step {first.get('step')} "
+                                f"(health.stall_timeout_s; the stacks are above) and the group ended ({codes}); "
+                                "rerun the same command to resume from the newest checkpoint")
+    if {code for _, code in failures.values()} == {EXIT_RESUMABLE} or any(
+            mark.get("kind") == "preempted" for mark in current):
+        return EXIT_RESUMABLE, "posttrain launch: preempted; rerun the same command to resume"
+    return EXIT_FAILED, f"posttrain launch: {codes} (see its output above)"
 
 
 def launch(arguments: list[str]) -> int:
@@ -56,8 +75,8 @@ def launch(arguments: list[str]) -> int:
 
     options, command = split_arguments(arguments)
     with tempfile.TemporaryDirectory(prefix="posttrain-launch-") as scratch:
-        flag = Path(scratch) / "preempted"
-        os.environ[PREEMPTED_FILE_ENV] = str(flag)
+        marks_file = Path(scratch) / "marks.jsonl"
+        os.environ[LAUNCH_MARKS_ENV] = str(marks_file)
         # torchrun's agent shares one TCPStore with the workers across restarts (torch >= 2.5), and a restarted
         # group can read its predecessor's gloo/NCCL addresses from it: connection refused, or a hang in
         # init_process_group (pytorch/pytorch#135712; 2 of 4 restarts here, none of 5 with this; docs/stalls.md).
@@ -67,18 +86,15 @@ def launch(arguments: list[str]) -> int:
         try:
             run(torchrun_args)
         except SignalException as exc:
-            steps = [s for s in _preempted_steps(flag) if s]
-            saved = f"checkpoint at step {steps[0]} saved" if steps else "no new checkpoint saved"
+            steps = [mark["step"] for mark in read_launch_marks(marks_file)
+                     if mark.get("kind") == "preempted" and mark.get("step") is not None]
+            saved = f"checkpoint at step {steps[-1]} saved" if steps else "no new checkpoint saved"
             print(f"posttrain launch: preempted by {exc.sigval.name}: {saved}; rerun the same command to resume",
                   file=sys.stderr)
             return EXIT_RESUMABLE
         except ChildFailedError as exc:
-            codes = {failure.exitcode for failure in exc.failures.values()}
-            if codes == {EXIT_RESUMABLE} or _preempted_steps(flag):
-                print("posttrain launch: preempted; rerun the same command to resume", file=sys.stderr)
-                return EXIT_RESUMABLE
-            failed = ", ".join(f"rank {rank} exited with {failure.exitcode}" for rank, failure in
-                               sorted(exc.failures.items()))
-            print(f"posttrain launch: {failed} (see its output above)", file=sys.stderr)
-            return EXIT_FAILED
+            failures = {rank: (failure.pid, failure.exitcode) for rank, failure in exc.failures.items()}
+            code, line = failure_outcome(failures, read_launch_marks(marks_file))
+            print(line, file=sys.stderr)
+            return code
     return EXIT_OK

@@ -43,7 +43,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from posttrain import dist
-from posttrain.exit_codes import EXIT_RESUMABLE
+from posttrain.exit_codes import EXIT_RESUMABLE, mark_stalled
 from posttrain.train.health import Alerts
 
 STALL_EXIT_CODE = EXIT_RESUMABLE
@@ -121,6 +121,7 @@ class Watchdog:
                    f"{self.timeout_s:g}); exiting {STALL_EXIT_CODE} so the launcher restarts the group from the "
                    "newest checkpoint (stacks above)")
         try:
+            mark_stalled(rank, step, idle)  # so `posttrain launch` ends 75 though the peers die with 1
             _dump_stacks_to_stderr(rank)
             fields = {"rank": rank, "step": step, "phase": phase, "seconds_since_progress": round(idle, 3),
                       "timeout_s": self.timeout_s, "exit_code": STALL_EXIT_CODE, "stacks": thread_stacks()}

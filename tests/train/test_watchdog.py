@@ -12,7 +12,7 @@ import time
 import pytest
 
 from posttrain.config.sections import DebugConfig, HealthConfig
-from posttrain.exit_codes import EXIT_RESUMABLE
+from posttrain.exit_codes import EXIT_RESUMABLE, LAUNCH_MARKS_ENV, read_launch_marks
 from posttrain.train.health import Alerts
 from posttrain.train.watchdog import STALL_EXIT_CODE, Watchdog, drill_step
 from tests.train.conftest import ROOT, base_overrides, env, final_weights, read_jsonl, sft_command
@@ -100,9 +100,13 @@ EXIT_PATH = textwrap.dedent("""
 @pytest.mark.parametrize("rank", [0, 1])
 def test_the_exit_path_ends_a_blocked_process_with_75(tmp_path, rank):
     started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", EXIT_PATH, str(tmp_path)], cwd=ROOT, env={**env(), "RANK": str(rank)},
+    marks = tmp_path / "marks.jsonl"
+    proc = subprocess.run([sys.executable, "-c", EXIT_PATH, str(tmp_path)], cwd=ROOT,
+                          env={**env(), "RANK": str(rank), LAUNCH_MARKS_ENV: str(marks)},
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 75, proc.stderr[-2000:]
+    [mark] = read_launch_marks(marks)  # what tells `posttrain launch` this 75 was a stall
+    assert (mark["kind"], mark["rank"], mark["step"]) == ("stalled", rank, 3) and mark["idle_s"] >= 0.5
     assert "not reached" not in proc.stdout
     assert time.monotonic() - started < 30  # an interpreter start and 0.5 s, not the 60 s sleep
     assert "Current thread" in proc.stderr or "Thread 0x" in proc.stderr  # faulthandler's dump
@@ -170,7 +174,9 @@ def test_hang_on_one_of_two_ranks_ends_the_group_in_bounded_time(tiny_model_dir,
     command = [sys.executable, "-m", "posttrain", "launch", "--standalone", "--nproc_per_node", "2", "--", "sft",
                *overrides]
     proc, wall, ended = timed_run(command)
-    assert proc.returncode != 0 and not (out / "final").exists()
+    # 75 whatever the healthy rank died of (its watchdog, or a gloo error once the hung rank is gone): resumable
+    assert proc.returncode == 75 and not (out / "final").exists(), proc.stderr[-3000:]
+    assert "posttrain launch: stalled: no progress on rank" in proc.stderr
     assert wall < 120, proc.stderr[-3000:]
     stalled = [a for name in ("alerts.jsonl", "alerts-rank1.jsonl") for a in read_jsonl(out / name)
                if a["kind"] == "stalled"]
