@@ -32,6 +32,8 @@ from typing import Any
 
 import fsspec
 
+from posttrain.cache import stat_cached_digest
+
 # Packages that give fsspec a protocol, and how to install them (the extras of pyproject.toml).
 _PROTOCOL_PACKAGES = {"s3": ("s3fs", "pip install 'posttrain[s3]'"), "s3a": ("s3fs", "pip install 'posttrain[s3]'"),
                       "gs": ("gcsfs", "pip install gcsfs"), "gcs": ("gcsfs", "pip install gcsfs"),
@@ -282,8 +284,8 @@ def file_fingerprint(fs, path: str, info: dict[str, Any] | None = None) -> str:
     - GCS: its ``md5Hash`` / ``crc32c`` content checksums when present;
     - any store that gives none of these: the content's sha256, read once.
     """
-    if not is_remote(fs.unstrip_protocol(path)):
-        return f"sha256:{sha256_file(path, fs)}"
+    if not is_remote(fs.unstrip_protocol(path)):  # read again only when its status changed (posttrain.cache)
+        return f"sha256:{stat_cached_digest('sha256', [path], lambda: sha256_file(path, fs))}"
     info = info if info is not None else fs.info(path)
     etag = info.get("ETag") or info.get("etag")
     if etag:

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from posttrain.cache import cache_dir
 from posttrain.data.storage import filesystem, is_remote, protocol_of, sha256_file
 
 CHECKPOINTS = "checkpoints"
@@ -54,7 +55,7 @@ def working_dir(output_dir: str, local_dir: str | Path | None = None) -> Path:
 
 def default_local_dir(url: str) -> Path:
     """``$XDG_CACHE_HOME/posttrain/runs/<readable name>-<hash>``: one local mirror per remote URL."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "runs"
+    base = cache_dir("runs")
     readable = re.sub(r"[^A-Za-z0-9._-]+", "-", url.split("://", 1)[-1]).strip("-")[-60:]
     return base / f"{readable}-{hashlib.sha256(url.encode()).hexdigest()[:10]}"
 

@@ -43,6 +43,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from posttrain import dist
+from posttrain.cache import cache_dir, stat_cached_digest
 from posttrain.data.storage import source_fingerprint
 from posttrain.models.load import load_model
 from posttrain.models.lora import adapter_disabled
@@ -89,12 +90,18 @@ def model_digest(model_path: str) -> str:
     root = Path(model_path)
     if not root.is_dir():
         return hashlib.sha256(f"hub:{model_path}".encode()).hexdigest()
-    digest = hashlib.sha256()
-    for path in sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES):
-        digest.update(str(path.relative_to(root)).encode())
-        with open(path, "rb") as handle:
-            _hash_stream(digest, handle)
-    return digest.hexdigest()
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix in _MODEL_FILE_SUFFIXES)
+
+    def read_all() -> str:
+        digest = hashlib.sha256()
+        for path in files:
+            digest.update(str(path.relative_to(root)).encode())
+            with open(path, "rb") as handle:
+                _hash_stream(digest, handle)
+        return digest.hexdigest()
+
+    # Unchanged files are not read again (a 70B model is 140 GB): posttrain.cache's rule.
+    return stat_cached_digest("model-files", files, read_all)
 
 
 def pairs_digest(pairs: list[TokenizedPair]) -> str:
@@ -120,7 +127,7 @@ def cache_key(spec: ReferenceSpec, data_path: str, pairs: list[TokenizedPair]) -
 
 def default_cache_dir(output_dir: str | Path) -> Path:
     """``$XDG_CACHE_HOME/posttrain/reference`` (``~/.cache/…``), or ``<output_dir>/ref_cache`` when not writable."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "posttrain" / "reference"
+    base = cache_dir("reference")
     try:
         base.mkdir(parents=True, exist_ok=True)
     except OSError:
