@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import posixpath
 import re
 from pathlib import Path
 from typing import Any
@@ -43,14 +44,21 @@ def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def training_page(run_dir: Path) -> tuple[Page, dict[str, Any]]:
-    data = collect.training_run(run_dir)
+def _shown(data: dict[str, Any], shown_as: str | None) -> dict[str, Any]:
+    """A remote run's URL in place of the local copy's directory it was fetched into (``report.remote``)."""
+    if shown_as:
+        data["run_dir"] = shown_as
+    return data
+
+
+def training_page(run_dir: Path, shown_as: str | None = None) -> tuple[Page, dict[str, Any]]:
+    data = _shown(collect.training_run(run_dir), shown_as)
     label = STAGE_LABELS.get(data["kind"], data["kind"])
     finished = data["finished"] or {}
     facts = {"recipe": data["kind"], "run directory": data["run_dir"], "model": data["model"],
              "training data": data["data"],
              "steps": finished.get("steps", f"{len(data['series']['step'])} logged (not finished)"),
-             "export": finished.get("export") and str(run_dir / finished["export"])}
+             "export": finished.get("export") and posixpath.join(data["run_dir"], finished["export"])}
     page = Page(f"posttrain {label} run", tables.key_values(facts) + _notes(data["notes"]))
     _training_sections(page, data["series"], label, data["kind"], 2)
     if data["alerts"]:
@@ -64,8 +72,8 @@ def training_page(run_dir: Path) -> tuple[Page, dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ curate / sample
 
 
-def curate_page(out_dir: Path) -> tuple[Page, dict[str, Any]]:
-    data = collect.curation_output(out_dir)
+def curate_page(out_dir: Path, shown_as: str | None = None) -> tuple[Page, dict[str, Any]]:
+    data = _shown(collect.curation_output(out_dir), shown_as)
     funnel = data["funnel"]
     facts = {"output directory": data["run_dir"], **data["lineage"],
              "parents": ", ".join(p.get("path", "?") for p in data["parents"])}
@@ -83,8 +91,8 @@ def curate_page(out_dir: Path) -> tuple[Page, dict[str, Any]]:
 # ------------------------------------------------------------------------------------------ eval results
 
 
-def eval_page(path: Path) -> tuple[Page, dict[str, Any]]:
-    data = collect.eval_output(path)
+def eval_page(path: Path, shown_as: str | None = None) -> tuple[Page, dict[str, Any]]:
+    data = _shown(collect.eval_output(path), shown_as)
     counts = {m: r.get("counts", {}) for m, r in data["results"].items()}
     facts = {"results": data["run_dir"], **{
         f"{m}": f"suite {r.get('suite')}, {counts[m].get('passed', '?')}/{counts[m].get('items', '?')} items passed"
@@ -157,9 +165,9 @@ def _rounds_summary(page: Page, data: dict[str, Any]) -> None:
     page.add("Rounds", body, charts)
 
 
-def flywheel_page(run_dir: Path, timings: dict[str, float] | None = None, models: list[str] | None = None
-                  ) -> tuple[Page, dict[str, Any]]:
-    data = collect.flywheel_run(run_dir, models)
+def flywheel_page(run_dir: Path, timings: dict[str, float] | None = None, models: list[str] | None = None,
+                  shown_as: str | None = None) -> tuple[Page, dict[str, Any]]:
+    data = _shown(collect.flywheel_run(run_dir, models), shown_as)
     if timings:
         data["timings_s"] = timings
     data["summary"] = [f"{name}: {line}" for name, comparison in data["comparisons"].items()
@@ -168,7 +176,8 @@ def flywheel_page(run_dir: Path, timings: dict[str, float] | None = None, models
                         for line in comparison.get("summary", [])]
     data["reading_the_verdicts"] = tables.READING_THE_VERDICTS
     timing_text = ", ".join(f"{k} {v:.0f}s" for k, v in data["timings_s"].items())
-    intro = f"<p>Run directory <code>{esc(run_dir)}</code>. Stage times: {esc(timing_text or 'none recorded')}.</p>"
+    intro = (f"<p>Run directory <code>{esc(data['run_dir'])}</code>. "
+             f"Stage times: {esc(timing_text or 'none recorded')}.</p>")
     if not data.get("rounds"):
         page = Page("posttrain flywheel round", intro)
         _round_sections(page, data, "", 2)
