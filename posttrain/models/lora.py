@@ -28,6 +28,7 @@ any later one that builds its policy with ``build_policy``) into adapter trainin
 from __future__ import annotations
 
 import copy
+import math
 import sys
 import warnings
 from contextlib import contextmanager
@@ -124,12 +125,19 @@ def apply_lora(lm: torch.nn.Module, lora, task: str = "CAUSAL_LM") -> torch.nn.M
         raise LoraSetupError(f"model.lora.target_modules={lora.target_modules!r}: {exc}") from None
 
 
+def held_values(param: torch.Tensor) -> int:
+    """How many values ``param`` holds: its ``numel()``, or for a bitsandbytes 4-bit weight (two values packed
+    per byte) the shape it was quantized from."""
+    shape = getattr(getattr(param, "quant_state", None), "shape", None)
+    return math.prod(shape) if shape is not None else param.numel()
+
+
 def parameter_counts(lm: torch.nn.Module) -> tuple[int, int]:
     """``(trainable, total)`` parameters; 4-bit weights count as the values they hold, not their bytes."""
     if is_lora(lm):
         return lm.get_nb_trainable_parameters()
     params = list(lm.parameters())
-    return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params)
+    return sum(held_values(p) for p in params if p.requires_grad), sum(held_values(p) for p in params)
 
 
 def describe(lora, trainable: int, total: int) -> str:

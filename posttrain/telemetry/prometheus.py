@@ -27,7 +27,8 @@ RECORD_GAUGES: dict[str, tuple[str, str, float]] = {
     "lr": ("posttrain_learning_rate", "Learning rate of the last logged step.", 1.0),
     "tokens_per_s": ("posttrain_tokens_per_second", "Tokens per second over all ranks, last logged step.", 1.0),
     "step_time_s": ("posttrain_step_duration_seconds", "Wall time of the last logged optimizer step.", 1.0),
-    "mfu": ("posttrain_mfu_ratio", "Model FLOP utilisation of the last logged step (6N FLOPs per token).", 1.0),
+    "mfu": ("posttrain_mfu_ratio", "Model FLOP utilisation of the last logged step "
+            "(6 FLOPs per trained, 4 per frozen weight and token).", 1.0),
     "data_wait_s": ("posttrain_data_wait_seconds", "Time the last logged step waited for its batch "
                     "(source.next_step: data loading, or rollouts in RL).", 1.0),
     "peak_memory_mb": ("posttrain_peak_memory_bytes", "Peak memory of rank 0 (GPU allocated, or RSS on CPU).",

@@ -67,7 +67,7 @@ class LoopSettings:
     log_every: int
     precision: str
     sharded: bool
-    params_for_mfu: int
+    flops_per_token: float  # model FLOPs per token of a training step, for MFU (metrics.train_flops_per_token)
     peak_flops: float | None
     identity: dict[str, Any]  # the run's identity, recorded in every checkpoint (posttrain.train.identity)
     health: HealthGuard
@@ -304,7 +304,7 @@ def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: fl
         "step_time_s": elapsed,
         "tokens_per_s": batch.tokens / elapsed,
         "loss_tokens_per_s": batch.loss_tokens / elapsed,
-        "mfu": mfu(settings.params_for_mfu, batch.tokens / elapsed / world, peak_flops(settings.peak_flops)),
+        "mfu": mfu(settings.flops_per_token, batch.tokens / elapsed / world, peak_flops(settings.peak_flops)),
         "peak_memory_mb": peak_memory_mb(),
         **metric_means,
         **batch.log,

@@ -42,7 +42,6 @@ from posttrain.models.lora import (
     parameter_counts,
     quantization_config,
 )
-from posttrain.models.tiny import count_parameters
 from posttrain.store import RunStore
 from posttrain.store.run_store import CHECKPOINTS
 from posttrain.telemetry.trackers import check_trackers
@@ -57,6 +56,7 @@ from posttrain.train.identity import (
     write_finished,
 )
 from posttrain.train.loop import Evaluate, LoopSettings
+from posttrain.train.metrics import train_flops_per_token
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.source import BatchGeometry
 from posttrain.train.watchdog import drill_step
@@ -251,7 +251,7 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         precision=train.precision,
         sharded=uses_fsdp(train.fsdp),
         activation_offload=train.activation_offload,
-        params_for_mfu=count_parameters(lm, exclude_embeddings=True),
+        flops_per_token=train_flops_per_token(lm),
         peak_flops=train.peak_flops,
         identity=run.identity.to_dict(),
         resume_from=run.plan.checkpoint,

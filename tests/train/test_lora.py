@@ -69,6 +69,32 @@ def test_the_start_says_how_many_parameters_train(tiny_model_dir, sft_data, tmp_
     assert "weights" not in json.loads((full / "checkpoints" / "step-000001" / "manifest.json").read_text())
 
 
+def test_mfu_counts_four_flops_per_frozen_weight_and_six_per_trained_one(tiny_model_dir, sft_data, tmp_path):
+    """A frozen weight has no weight gradient: LoRA's base costs 4 FLOPs per value and token, not 6."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.config.sections import LoraConfig
+    from posttrain.models.lora import apply_lora
+    from posttrain.train.metrics import train_flops_per_token
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    dense = sum(p.numel() for name, p in base.named_parameters() if "embed_tokens" not in name)
+    assert train_flops_per_token(base) == 6 * dense
+    adapted = apply_lora(base, LoraConfig(r=4, alpha=8))
+    adapter = sum(p.numel() for name, p in adapted.named_parameters() if "lora_" in name)
+    assert adapter > 0 and train_flops_per_token(adapted) == 6 * adapter + 4 * dense
+
+    # The logged MFU uses it: FLOPs per token = mfu × peak ÷ tokens/s, the peak being the same on one machine.
+    runs = {}
+    for name, extra in (("full", {}), ("lora", {k: v for k, v in LORA.items() if k.startswith("model.lora")})):
+        out = tmp_path / name
+        assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{**extra, "train.max_steps": 1,
+                                                                               "train.save_every": "null"})) == 0
+        [record] = [r for r in read_jsonl(out / "metrics.jsonl") if "mfu" in r]
+        runs[name] = record["mfu"] / record["tokens_per_s"]
+    assert runs["full"] / runs["lora"] == pytest.approx(6 * dense / (6 * adapter + 4 * dense), rel=1e-9)
+
+
 def test_merged_and_adapter_exports_compute_the_same_logits(lora_run, tiny_model_dir, tiny_tokenizer):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM

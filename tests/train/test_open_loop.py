@@ -93,7 +93,7 @@ def test_a_step_with_two_updates_equals_two_steps_of_one(tiny_model_dir, tmp_pat
         settings = LoopSettings(
             output_dir=out, lr=1e-2, lr_schedule="constant", warmup_steps=0, min_lr_ratio=0.0, weight_decay=0.0,
             betas=(0.9, 0.95), max_grad_norm=None, save_every=None, keep_last=1, log_every=1, precision="fp32",
-            sharded=False, params_for_mfu=1, peak_flops=1e12, identity={"run": name}, health=HealthGuard(enabled=False),
+            sharded=False, flops_per_token=6.0, peak_flops=1e12, identity={"run": name}, health=HealthGuard(enabled=False),
             alerts=Alerts(out / "alerts.jsonl"), tensorboard=False)
         assert train(root, _SplitSource(batches, per_step, updates), toy_loss, settings) == 0
         finals[name] = {k: v.detach().clone() for k, v in root.lm.state_dict().items()}

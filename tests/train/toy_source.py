@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     settings = LoopSettings(
         output_dir=out, lr=3e-3, lr_schedule="cosine", warmup_steps=1, min_lr_ratio=0.0, weight_decay=0.0,
         betas=(0.9, 0.95), max_grad_norm=1.0, save_every=2, keep_last=2, log_every=1, precision="fp32",
-        sharded=False, params_for_mfu=1, peak_flops=1e12, identity={"run": "toy"},
+        sharded=False, flops_per_token=6.0, peak_flops=1e12, identity={"run": "toy"},
         health=HealthGuard(enabled=False), alerts=Alerts(out / "alerts.jsonl"), crash_at_step=args.crash_at,
         log_unit_ids=True, tensorboard=False,
         resume_from=latest_valid_checkpoint(out / "checkpoints"),  # the recipes decide this in plan_resume
