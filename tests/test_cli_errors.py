@@ -109,3 +109,28 @@ def test_help_documents_debug(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     assert "--debug" in out and "traceback" in out and "internal error" in out
+
+
+def test_a_missing_model_directory_is_one_line_before_any_run_state(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = write_lines(tmp_path / "train.jsonl", [CHAT] * 4)
+    assert main(sft("runs/demo/base-model", tmp_path, data)) == 2  # two slashes: a path, never a hub id
+    line = one_line_error(capsys)
+    assert "runs/demo/base-model: not an HF model directory (no such directory under" in line
+    assert "posttrain model tiny runs/demo/base-model" in line
+    assert not (tmp_path / "run").exists()  # refused before the output directory was made
+    (tmp_path / "empty").mkdir()
+    assert main(sft(str(tmp_path / "empty"), tmp_path, data)) == 2
+    assert "(no config.json in it)" in one_line_error(capsys)
+
+
+def test_a_name_that_is_no_directory_and_no_reachable_hub_model_is_one_line(tmp_path, capsys, monkeypatch):
+    import huggingface_hub.constants
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # the same failure as no network
+    monkeypatch.chdir(tmp_path)
+    data = write_lines(tmp_path / "train.jsonl", [CHAT] * 4)
+    assert main(sft("runs/base", tmp_path, data)) == 2  # a relative path of one slash, mistyped, or an org/name
+    line = one_line_error(capsys)
+    assert line.startswith("posttrain: runs/base: no such directory under")
+    assert "loading it as a Hugging Face hub id failed" in line

@@ -35,6 +35,7 @@ from types import MethodType
 import torch
 
 from posttrain.models.blocks import decoder_layers
+from posttrain.models.load import check_model_path, hub_errors
 
 MISSING = "model.liger needs the liger-kernel package: pip install 'posttrain[liger]'"
 NO_CUDA = "model.liger: Liger's kernels are Triton GPU kernels and need a CUDA device"
@@ -69,7 +70,10 @@ def check_liger(path: str, trust_remote_code: bool, recompute_mlp: bool, device:
     """
     from transformers import AutoConfig
 
-    _require_supported(AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code).model_type)
+    check_model_path(path)
+    with hub_errors(path):
+        config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    _require_supported(config.model_type)
     if recompute_mlp:
         raise LigerSetupError("model.liger and train.recompute_mlp both replace each gated MLP's forward: set one "
                               "of them (Liger's SwiGLU kernel already recomputes silu(gate) in backward)")

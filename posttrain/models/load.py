@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -12,19 +15,41 @@ from posttrain.models.attention import transformers_name
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _check_path(path: str) -> None:
-    local = Path(path)
-    looks_local = path.startswith((".", "/", "~")) or local.exists()
-    if looks_local and not (local / "config.json").exists():
-        raise FileNotFoundError(
-            f"{path}: not an HF model directory (no config.json). Build one with `posttrain model tiny {path}`"
-            " or point model.path at a saved model."
-        )
+# A Hugging Face hub id: ``name`` or ``namespace/name``. Anything else (two slashes, a leading ``.``, ``/`` or ``~``)
+# can only be a local path.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def check_model_path(path: str) -> None:
+    """One line (``FileNotFoundError``) when ``path`` must be a local model directory and is not one. A name that
+    could be a hub id and is no local directory is left to transformers (``hub_errors`` words its failure)."""
+    local = Path(path).expanduser()
+    if not local.exists() and _HUB_ID.fullmatch(path):
+        return
+    if not (local / "config.json").is_file():
+        why = "no config.json in it" if local.is_dir() else f"no such directory under {Path.cwd()}"
+        raise FileNotFoundError(f"{path}: not an HF model directory ({why}). Build one with `posttrain model tiny "
+                                f"{path}` or point model.path at a saved model.")
+
+
+@contextmanager
+def hub_errors(path: str) -> Iterator[None]:
+    """transformers' ``OSError`` for a hub id it could not load (no such repo, no network) as one line naming
+    ``path`` — which is also what a mistyped relative path of one slash looks like."""
+    try:
+        yield
+    except OSError as exc:
+        if Path(path).expanduser().exists():
+            raise
+        first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+        raise FileNotFoundError(f"{path}: no such directory under {Path.cwd()}, and loading it as a Hugging Face hub "
+                                f"id failed: {first}") from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    _check_path(path)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    check_model_path(path)
+    with hub_errors(path):
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
@@ -43,17 +68,19 @@ def load_model(
     """``quantization_config`` (a ``BitsAndBytesConfig``, ``posttrain.models.lora``) quantises the weights as
     they load, straight onto ``device``. ``attn_implementation``: ``sdpa``, ``eager`` or ``varlen``
     (``posttrain.models.attention``; resolve ``auto`` first with ``resolve_attn_implementation``)."""
-    _check_path(path)
+    check_model_path(path)
     attn_implementation = transformers_name(attn_implementation)
-    if quantization_config is not None:
-        return AutoModelForCausalLM.from_pretrained(
-            path, dtype=DTYPES[dtype], attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
-            quantization_config=quantization_config, device_map={"": torch.device(device)},
+    with hub_errors(path):
+        if quantization_config is not None:
+            return AutoModelForCausalLM.from_pretrained(
+                path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,
+                trust_remote_code=trust_remote_code, quantization_config=quantization_config,
+                device_map={"": torch.device(device)},
+            )
+        model = AutoModelForCausalLM.from_pretrained(
+            path,
+            dtype=DTYPES[dtype],
+            attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code,
         )
-    model = AutoModelForCausalLM.from_pretrained(
-        path,
-        dtype=DTYPES[dtype],
-        attn_implementation=attn_implementation,
-        trust_remote_code=trust_remote_code,
-    )
     return model.to(device)

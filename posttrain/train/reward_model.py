@@ -29,7 +29,7 @@ from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
 from posttrain.models.attention import attention_for, transformers_name
-from posttrain.models.load import DTYPES, load_tokenizer
+from posttrain.models.load import DTYPES, check_model_path, hub_errors, load_tokenizer
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
@@ -91,10 +91,12 @@ def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote
                    device: torch.device | str = "cpu", quantization_config=None) -> torch.nn.Module:
     placed = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                      "device_map": {"": torch.device(device)}}
-    lm = AutoModelForSequenceClassification.from_pretrained(
-        path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
-        trust_remote_code=trust_remote_code, **placed,
-    )
+    check_model_path(path)
+    with hub_errors(path):
+        lm = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
+            trust_remote_code=trust_remote_code, **placed,
+        )
     # HF's own forward finds the last token through pad_token_id: without it, batched scoring refuses to run.
     lm.config.pad_token_id = pad_token_id
     lm.config.use_cache = False

@@ -33,7 +33,7 @@ from posttrain.config.recipes import TrainingRecipe
 from posttrain.config.redact import public_dump
 from posttrain.models.attention import attention_for
 from posttrain.models.liger import apply_kernels, check_liger
-from posttrain.models.load import DTYPES, load_model, load_tokenizer
+from posttrain.models.load import DTYPES, check_model_path, load_model, load_tokenizer
 from posttrain.models.lora import (
     LoraSetupError,
     apply_lora,
@@ -120,6 +120,7 @@ def start_run(config: TrainingRecipe) -> Run:
     mirror (``posttrain.store``); on other nodes, the first process fetches that checkpoint too. The config is
     not changed after ``config.yaml`` is written.
     """
+    check_model_path(config.model.path)  # a mistyped path fails here, before any run state is written
     dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)
