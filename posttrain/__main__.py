@@ -1,24 +1,13 @@
-"""``python -m posttrain`` and the ``posttrain`` command: run the CLI, then leave.
-
-Under torchrun every file is closed and the process group destroyed when ``main`` returns, yet
-interpreter teardown can still abort a rank ("terminate called without an active exception": gloo's
-C++ threads release tensors while Python finalises, pytorch#179291), turning a finished run into a
-failed one. A distributed rank therefore exits without that teardown, after flushing its output.
+"""``python -m posttrain`` and the ``posttrain`` command: run the CLI, then leave (``exit_process``: a
+distributed rank skips interpreter teardown, which can abort a finished rank).
 """
 
-import os
-import sys
-
 from posttrain.cli import main
+from posttrain.exit_codes import exit_process
 
 
 def entry() -> None:
-    code = int(main() or 0)
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
-    raise SystemExit(code)
+    exit_process(int(main() or 0))
 
 
 if __name__ == "__main__":

@@ -79,3 +79,16 @@ def report_preempted(exc: Preempted, step: int | None = None) -> int:
     print(f"posttrain: preempted by {exc.args[0] if exc.args else 'a signal'} outside the training loop; nothing "
           "new to save — rerun the same command to continue from the last checkpoint (exit 75)", file=sys.stderr)
     return EXIT_RESUMABLE
+
+
+def exit_process(code: int) -> None:
+    """End the process with ``code``. A distributed rank (``WORLD_SIZE`` > 1) skips interpreter teardown after
+    flushing its output: with the process group already destroyed, teardown can still abort a rank
+    ("terminate called without an active exception": gloo's C++ threads release tensors while Python
+    finalises, pytorch#179291) and turn a finished run into a failed one. Call it last, files closed."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
+

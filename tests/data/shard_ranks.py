@@ -7,6 +7,7 @@ import sys
 
 from posttrain import dist
 from posttrain.data import io
+from posttrain.exit_codes import exit_process
 
 sources, out = sys.argv[1:-1], sys.argv[-1]
 dist.init_distributed()
@@ -24,3 +25,4 @@ for number, source in enumerate(sources):
     with open(f"{out}/{number}-rank-{dist.rank()}.json", "w") as handle:
         json.dump(result, handle)
 dist.destroy()
+exit_process(0)

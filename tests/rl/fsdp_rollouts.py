@@ -23,6 +23,7 @@ import torch
 import torch.distributed as torch_dist
 
 from posttrain import dist
+from posttrain.exit_codes import exit_process
 from posttrain.generate import HFBackend, SamplingParams
 from posttrain.models.load import load_model, load_tokenizer
 from posttrain.models.logprobs import TokenLogprobModel
@@ -123,4 +124,4 @@ def main(model_dir: str, out_dir: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2]))
+    exit_process(main(sys.argv[1], sys.argv[2]))

@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
 from posttrain.algorithms.sft import sft_loss
+from posttrain.exit_codes import exit_process
 from posttrain.models.load import load_model, load_tokenizer
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
 from posttrain.train.checkpoint import latest_valid_checkpoint
@@ -114,4 +114,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_process(main())
