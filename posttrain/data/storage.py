@@ -12,7 +12,9 @@ Three things every reader and writer of ``posttrain.data.io`` needs from a URL, 
   a temporary name that is renamed into place; on an object store to a temporary key beside the target
   that is moved (a server-side copy) onto it once complete, and whose size is checked against the bytes
   written. A failed write removes its temporary file or key; a killed writer may leave a
-  ``….tmp-<id>`` key, which no reader picks up (the suffix is not a record suffix). Writing into a bucket
+  ``….tmp-<id>`` key, which no reader picks up (the suffix is not a record suffix), and the next commit of
+  the same target removes every such leftover older than ``STALE_TEMP_S`` (younger ones may be another
+  writer's, still under way). Writing into a bucket
   that does not exist is refused: s3fs would silently create it, and a typo would then hold the data.
 
 ``file_fingerprint`` / ``source_fingerprint`` identify data for the run identity
@@ -25,6 +27,7 @@ import hashlib
 import io
 import json
 import os
+import time
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -173,6 +176,9 @@ class _CountingWriter(io.RawIOBase):
         return len(data)
 
 
+STALE_TEMP_S = 3600.0  # a temporary file or key of a target this old is a killed writer's, not a slow one's
+
+
 class AtomicFile:
     """A file written in full or not at all (see the module docstring). ``open()`` returns the handle
     (text for ``"w"``, bytes for ``"wb"``; compressed by ``compression``); ``commit()`` puts it in
@@ -219,17 +225,34 @@ class AtomicFile:
                 self._close_layers()
                 if not self.remote:
                     os.replace(self.temp, self.path)
-                    return
-                size = self.fs.info(self.temp)["size"]
-                if size != self._counter.count:
-                    raise OSError(f"{self.url}: the upload holds {size} of {self._counter.count} bytes written")
-                self.fs.mv(self.temp, self.path)
-                self.fs.invalidate_cache(self.path)
+                else:
+                    size = self.fs.info(self.temp)["size"]
+                    if size != self._counter.count:
+                        raise OSError(f"{self.url}: the upload holds {size} of {self._counter.count} bytes written")
+                    self.fs.mv(self.temp, self.path)
+                    self.fs.invalidate_cache(self.path)
         except BaseException:
             self._remove_temp()
             raise
         finally:
             self._raw = None
+        self._sweep_stale_temps()
+
+    def _sweep_stale_temps(self) -> None:
+        """Remove the temporaries killed writers of this target left behind (best effort, see the module)."""
+        try:
+            now = time.time()
+            parent, name = self.path.rsplit("/", 1) if "/" in self.path else ("", self.path)
+            if self.remote:  # one server-side prefix listing, not the whole directory of shards
+                found = self.fs.find(parent, prefix=f"{name}.tmp-", detail=True).items()
+            else:
+                found = ((path, self.fs.info(path)) for path in self.fs.glob(f"{self.path}.tmp-*"))
+            for path, info in found:
+                modified = _modified_s(info)
+                if modified is not None and now - modified > STALE_TEMP_S:
+                    self.fs.rm(path)
+        except Exception:  # noqa: BLE001 - a leftover is never read as data; failing to remove one is harmless
+            pass
 
     def abort(self) -> None:
         if self._raw is None:
@@ -256,6 +279,15 @@ class AtomicFile:
             self.commit()
         else:
             self.abort()
+
+
+def _modified_s(info: dict[str, Any]) -> float | None:
+    """A file's or object's modification time (epoch seconds) from fsspec's ``info``: local ``mtime``, S3's
+    ``LastModified`` (a datetime); None when the store gives neither."""
+    value = info.get("mtime", info.get("LastModified", info.get("last_modified")))
+    if value is None:
+        return None
+    return value.timestamp() if hasattr(value, "timestamp") else float(value)
 
 
 # ------------------------------------------------------------------------------------------ fingerprints
