@@ -35,7 +35,7 @@ from types import MethodType
 import torch
 
 from posttrain.models.blocks import decoder_layers
-from posttrain.models.load import check_model_path, hub_errors
+from posttrain.models.load import model_source
 
 MISSING = "model.liger needs the liger-kernel package: pip install 'posttrain[liger]'"
 NO_CUDA = "model.liger: Liger's kernels are Triton GPU kernels and need a CUDA device"
@@ -70,8 +70,7 @@ def check_liger(path: str, trust_remote_code: bool, recompute_mlp: bool, device:
     """
     from transformers import AutoConfig
 
-    check_model_path(path)
-    with hub_errors(path):
+    with model_source(path):
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     _require_supported(config.model_type)
     if recompute_mlp:

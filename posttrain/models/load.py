@@ -22,7 +22,7 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
 
 def check_model_path(path: str) -> None:
     """One line (``FileNotFoundError``) when ``path`` must be a local model directory and is not one. A name that
-    could be a hub id and is no local directory is left to transformers (``hub_errors`` words its failure)."""
+    could be a hub id and is no local directory is left to transformers (``model_source`` words its failure)."""
     local = Path(path).expanduser()
     if not local.exists() and _HUB_ID.fullmatch(path):
         return
@@ -33,9 +33,11 @@ def check_model_path(path: str) -> None:
 
 
 @contextmanager
-def hub_errors(path: str) -> Iterator[None]:
-    """transformers' ``OSError`` for a hub id it could not load (no such repo, no network) as one line naming
-    ``path`` — which is also what a mistyped relative path of one slash looks like."""
+def model_source(path: str) -> Iterator[None]:
+    """Around a transformers ``from_pretrained(path)``: ``check_model_path`` first, then transformers' ``OSError``
+    for a hub id it could not load (no such repo, no network) as one line naming ``path`` — which is also
+    what a mistyped relative path of one slash looks like."""
+    check_model_path(path)
     try:
         yield
     except OSError as exc:
@@ -47,8 +49,7 @@ def hub_errors(path: str) -> Iterator[None]:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
-    check_model_path(path)
-    with hub_errors(path):
+    with model_source(path):
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -68,9 +69,8 @@ def load_model(
     """``quantization_config`` (a ``BitsAndBytesConfig``, ``posttrain.models.lora``) quantises the weights as
     they load, straight onto ``device``. ``attn_implementation``: ``sdpa``, ``eager`` or ``varlen``
     (``posttrain.models.attention``; resolve ``auto`` first with ``resolve_attn_implementation``)."""
-    check_model_path(path)
     attn_implementation = transformers_name(attn_implementation)
-    with hub_errors(path):
+    with model_source(path):
         if quantization_config is not None:
             return AutoModelForCausalLM.from_pretrained(
                 path, dtype=DTYPES[dtype], attn_implementation=attn_implementation,

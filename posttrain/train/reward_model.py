@@ -29,7 +29,7 @@ from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
 from posttrain.models.attention import attention_for, transformers_name
-from posttrain.models.load import DTYPES, check_model_path, hub_errors, load_tokenizer
+from posttrain.models.load import DTYPES, load_tokenizer, model_source
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
@@ -91,8 +91,7 @@ def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote
                    device: torch.device | str = "cpu", quantization_config=None) -> torch.nn.Module:
     placed = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                      "device_map": {"": torch.device(device)}}
-    check_model_path(path)
-    with hub_errors(path):
+    with model_source(path):
         lm = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
             trust_remote_code=trust_remote_code, **placed,
