@@ -297,23 +297,16 @@ class RunStore:
 
     def prune(self, keep_last: int, committed: int) -> None:
         """After ``committed`` was committed: keep the newest ``keep_last`` committed checkpoints; remove older
-        ones and every uncommitted step directory but the committed one's (failed uploads, a crashed attempt).
-        A kept checkpoint loses any ``.uploaded-*`` marker left in it: a process killed between writing a
-        manifest and removing the markers leaves them behind (``posttrain.store.uploader``); nothing reads
-        them once the manifest is there."""
+        ones and every uncommitted step directory but the committed one's (failed uploads, a crashed attempt)."""
         kept = 0
         for step in self.checkpoint_steps():
-            directory = f"{CHECKPOINTS}/step-{step:06d}"
-            committed_here = self.exists(f"{directory}/{MANIFEST}")
+            committed_here = self.exists(f"{CHECKPOINTS}/step-{step:06d}/{MANIFEST}")
             if committed_here and kept < keep_last and step <= committed:
                 kept += 1
-                for name in self.listdir(directory):
-                    if name.startswith(".uploaded-"):
-                        self.remove(f"{directory}/{name}")
                 continue
             if step == committed or (committed_here and step > committed):
                 continue
-            self.remove(directory)
+            self.remove(f"{CHECKPOINTS}/step-{step:06d}")
 
     def after_commit(self, step: int, keep_last: int) -> None:
         """Once checkpoint ``step`` is committed (rank 0): prune old checkpoints and upload the logs."""

@@ -4,7 +4,7 @@ The loop saves a checkpoint to local disk (DCP at disk speed, the step blocks on
 to ``CheckpointUploader.submit``; a thread on every rank uploads the files that rank wrote (its DCP shards
 ``__<rank>_*.distcp`` and ``rng-rank<rank>.pt``; rank 0 also ``.metadata`` and ``trainer.json``), checks
 each one's size in the store, and leaves a marker ``.uploaded-rank<r>-<attempt>``. Rank 0 waits for every
-rank's marker, then writes ``manifest.json`` — the commit —, removes the markers, prunes old checkpoints
+rank's marker, removes the markers, then writes ``manifest.json`` — the commit —, prunes old checkpoints
 and uploads the logs. No collective runs in the thread, so training goes on while it uploads; a new save
 first waits for the previous upload (``wait``), so at most one is in flight.
 
@@ -96,8 +96,12 @@ class CheckpointUploader:
                                        f"store.max_outage_s={self.store.max_outage_s:g} s")
             if waiting:
                 time.sleep(0.2)
+        # The markers go before the commit: once rank 0 has seen them all nothing reads them, and removed
+        # first they never outlive a process killed between the manifest and the clean-up. Every attempt's go:
+        # a crashed attempt that reached this step left its own in the directory this attempt reuses.
+        for name in self.store.listdir(base):
+            if name.startswith(".uploaded-"):
+                self.store.remove(f"{base}/{name}")
         self.store.put_file(local_dir / MANIFEST, f"{base}/{MANIFEST}")
-        for rank in range(self.world):
-            self.store.remove(self._marker(base, rank))
         self.store.after_commit(step, self.keep_last)
 

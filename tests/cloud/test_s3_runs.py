@@ -168,13 +168,14 @@ def test_two_ranks_upload_their_own_shards_and_resume_bit_identical(tiny_model_d
     step = next(s for s in store.checkpoint_steps() if store.manifest(s)[0] is not None)
     manifest = store.manifest(step)[0]
     assert {"__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest["files"])
+    assert not [name for name in store.listdir(f"checkpoints/step-{step:06d}") if name.startswith(".uploaded")]
     shutil.rmtree(mirror)
     resumed = subprocess.run(sft_command(overrides, nproc=2), cwd=ROOT, env=s3_env(s3_endpoint),
                              capture_output=True, text=True, timeout=300)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resuming from step {step}" in resumed.stderr
     assert same(remote_final(url), final_weights(clean))
-    # The crash may land between a manifest and the removal of its markers; the next commits remove them.
+    # Markers are removed before the manifest: no committed checkpoint holds one, whenever the crash landed.
     store = RunStore(url)
     for kept in store.checkpoint_steps():
         assert store.manifest(kept)[0] is not None
