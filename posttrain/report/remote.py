@@ -39,7 +39,6 @@ def _wanted(relative: str, size: int | None) -> bool:
 def fetch_report_files(url: str, into: Path) -> Path:
     """Copy the files a report of ``url`` reads into ``into``; return the local path to report on (``into``, or
     the one file when ``url`` is an eval results file)."""
-    url = url.rstrip("/")
     with storage_errors(url):
         fs, base = filesystem(url)
         if fs.isfile(base):
@@ -49,16 +48,16 @@ def fetch_report_files(url: str, into: Path) -> Path:
         listing = fs.find(base, detail=True)
         if not listing:
             raise FileNotFoundError(f"{url}: nothing is stored under it (check the bucket and the run's prefix)")
-        for key, info in sorted(listing.items()):
-            relative = posixpath.relpath(key, base)
-            if _wanted(relative, info.get("size")):
-                target = into / relative
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fs.get_file(key, str(target))
+        keys = [key for key, info in sorted(listing.items())
+                if _wanted(posixpath.relpath(key, base), info.get("size"))]
+        targets = [str(into / posixpath.relpath(key, base)) for key in keys]
+        for target in targets:
+            Path(target).parent.mkdir(parents=True, exist_ok=True)
+        if keys:  # one call: s3fs fetches the files concurrently, not one round trip after another
+            fs.get(keys, targets)
     return into
 
 
 def default_remote_output(url: str) -> Path:
     """``./<run name>.report.html``: a remote run's report is written here, not into the store."""
-    name = posixpath.basename(url.rstrip("/")) or "run"
-    return Path.cwd() / f"{Path(name).stem if '.' in name else name}.report.html"
+    return Path.cwd() / f"{Path(posixpath.basename(url.rstrip('/')) or 'run').stem}.report.html"
