@@ -262,8 +262,10 @@ def run_tests(
     allow_unsandboxed: bool = False,
 ) -> SandboxResult:
     """Run ``solution`` (as ``main.py``) and ``tests`` against it in the jail, in two processes; ``status``
-    is ok only when the tests ran to their end with every assertion holding (``failure`` says why not).
-    The solution can read neither the tests nor the verdict. Raises as :func:`run_python`."""
+    is ok only when the tests ran to their end with every assertion holding, and, where they define
+    ``unittest.TestCase`` classes or call ``unittest.main``, every test of those ran and passed (none skipped);
+    ``failure`` says why not. The solution can read neither the tests nor the verdict. Raises as
+    :func:`run_python`."""
     isolated = _require_isolation(allow_unsandboxed)
     job = {"mode": "tests", "files": {"main.py": solution}, "tests": tests}
     return _run(job, limits or SandboxLimits(), isolated)

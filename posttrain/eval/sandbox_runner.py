@@ -15,7 +15,8 @@ limits (inherited by everything started after), write the files into the work di
   ``sandbox_wire.py``), runs the tests with the solution's names bound to references, and reports the
   verdict with the nonce: passed only when the tests ran to their end. The tests never touch the disk and
   never exist in the solution's memory: they arrive here on SPEC_FD, which is closed before the fork, and
-  the solution is a new program image (exec) that only ever receives calls.
+  the solution is a new program image (exec) that only ever receives calls. Tests written as
+  ``unittest.TestCase`` classes are run here too, and their ``TestResult`` decides (``_UnittestRun``).
 """
 
 from __future__ import annotations
@@ -38,8 +39,12 @@ SETUP_ERROR_PREFIX = "posttrain-sandbox-setup:"
 PR_SET_DUMPABLE = 4
 TESTS_FILENAME = "<tests>"
 MAX_FAILURE_CHARS = 2000
-# Standard-library modules a test process never imports on the solution's say-so (side effects on import).
-NEVER_IMPORT = {"antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle", "__hello__", "__phello__"}
+MAX_REPORTED_PROBLEMS = 3  # unittest failures named in the verdict's failure text
+# Names that may not appear anywhere in a module the test process imports on the solution's say-so: modules
+# with side effects on import, and test packages (``test.autotest`` runs CPython's suite, ``unittest.test``
+# loads one). Dunder components (``__main__``, ``__phello__``) are refused by ``_importable`` itself.
+NEVER_IMPORT = {"antigravity", "this", "idlelib", "turtledemo", "tkinter", "turtle", "__hello__",
+                "__phello__", "test", "tests", "idle_test"}
 
 
 def _setup(spec: dict) -> None:
@@ -118,10 +123,12 @@ def run_tests(spec: dict) -> dict:
     solution_status = None
     try:
         namespace = _namespace(channel, channel.receive(), code)
+        suites = _UnittestRun(namespace) if _uses_unittest(code) else None
         exec(code, namespace)
+        outcome = suites.finish() if suites else None  # (passed, failure, type), or None: no unittest suite
         if channel.failed:  # the tests swallowed the channel's end (``except BaseException: pass``)
             raise channel.failed
-        verdict = _verdict(spec, True, "", "")
+        verdict = _verdict(spec, *(outcome or (True, "", "")))
     except _LoadFailed as exc:
         verdict = _verdict(spec, False, str(exc), exc.kind)
     except PeerGone:
@@ -147,7 +154,9 @@ class _LoadFailed(Exception):
 
 def _namespace(channel: Channel, hello: dict, code: CodeType) -> dict:
     """The tests' globals: the solution's names as references (or data), except names of builtins, which
-    stay the real builtins (a solution's ``all = lambda *a: True`` must not judge the tests)."""
+    stay the real builtins (a solution's ``all = lambda *a: True`` must not judge the tests). They are the
+    dict of a module that is ``sys.modules["__main__"]`` while the tests run, so what looks a class up by its
+    ``__module__`` finds the tests (unittest's ``setUpModule``, dataclasses' string annotations)."""
     body = hello.get("hello")
     if type(body) is not dict:
         raise ProtocolError("the solution did not introduce itself")
@@ -159,14 +168,16 @@ def _namespace(channel: Channel, hello: dict, code: CodeType) -> dict:
     if type(names) is not dict:
         raise ProtocolError("the solution sent no names")
     referenced = _names_in(code)
-    namespace = {"__name__": "__main__", "__builtins__": builtins}
+    tests_module = ModuleType("__main__")
+    sys.modules["__main__"] = tests_module  # the runner's own ``-c`` module: nothing reads it any more
+    namespace = tests_module.__dict__
+    namespace["__builtins__"] = builtins
     for name, described in names.items():
         if not name.isidentifier() or name.startswith("__") or hasattr(builtins, name) or type(described) is not dict:
             continue
         if "module" in described:
             module = described["module"]
-            if (name in referenced and type(module) is str and module.partition(".")[0] in sys.stdlib_module_names
-                    and module.partition(".")[0] not in NEVER_IMPORT):
+            if name in referenced and _importable(module):
                 try:
                     __import__(module)
                     namespace[name] = sys.modules[module]
@@ -177,6 +188,21 @@ def _namespace(channel: Channel, hello: dict, code: CodeType) -> dict:
     return namespace
 
 
+def _importable(module) -> bool:
+    """Whether the test process may import ``module`` because the solution bound a name the tests use to a
+    module of that name (``import math`` in the solution, ``math`` in the tests). The solution chooses the
+    string freely (``types.ModuleType("venv.__main__")``), and importing runs the module's top-level code in
+    this, the trusted, process; so only a plain import of a public standard-library module qualifies: a
+    dotted name whose top package is in the standard library and whose every component is a public ASCII
+    identifier (no ``_``/``__`` prefix: ``unittest.__main__`` runs a test program, ``venv.__main__`` builds a
+    venv) and not in ``NEVER_IMPORT`` (``idlelib.idle`` starts IDLE, ``unittest.test`` loads a suite)."""
+    if type(module) is not str:
+        return False
+    parts = module.split(".")
+    return (parts[0] in sys.stdlib_module_names and not NEVER_IMPORT.intersection(parts)
+            and all(part.isascii() and part.isidentifier() and not part.startswith("_") for part in parts))
+
+
 def _names_in(code: CodeType) -> set[str]:
     names, stack = set(), [code]
     while stack:
@@ -184,6 +210,122 @@ def _names_in(code: CodeType) -> set[str]:
         names.update(current.co_names)
         stack.extend(const for const in current.co_consts if isinstance(const, CodeType))
     return names
+
+
+def _uses_unittest(code: CodeType) -> bool:
+    """Whether the tests name ``unittest`` (``import unittest``, ``from unittest import TestCase``,
+    ``import unittest.mock``): only then is it imported here (imports are a large share of a short run)."""
+    return any(name == "unittest" or name.startswith("unittest.") for name in _names_in(code))
+
+
+class _UnittestRun:
+    """The tests' ``unittest.TestCase`` classes, run here into one ``TestResult``, which decides the verdict.
+
+    While the tests run, ``unittest.main`` (and ``unittest.TestProgram``, the same class) is :meth:`main`:
+    whatever its arguments, it runs the TestCase classes the tests have defined so far and never exits.
+    The real one would run what ``sys.argv`` of this process names and exit (``SystemExit: True`` for a
+    correct solution), or with ``exit=False`` report the failures and let the tests reach their end (a pass
+    for a wrong solution): neither an exit status nor reaching the end may decide a unittest suite.
+    """
+
+    def __init__(self, namespace: dict):
+        import unittest
+
+        self.unittest, self.namespace = unittest, namespace
+        self.done: set[type] = set()  # TestCase classes already run
+        self.used = False  # main() was called: the tests are a unittest suite even with no TestCase found
+        self.result = _recording_result(unittest)()
+        # The tests' ``unittest`` is the real one even where they rely on the solution's ``import unittest``
+        # (a solution's own ``unittest`` object, with a TestCase and a main of its making, would judge).
+        namespace["unittest"] = unittest
+        for owner in (unittest, sys.modules.get("unittest.main")):
+            if owner is not None:
+                owner.main = owner.TestProgram = self.main
+
+    def main(self, *args, **kwargs) -> _Program:
+        """Stands in for ``unittest.main(...)``: its arguments (``argv``, ``exit``, ``module``,
+        ``defaultTest``, ``testRunner``...) are ignored; its ``result`` is the run's one ``TestResult``."""
+        self.used = True
+        self._run_new_classes()
+        return _Program(self.result)
+
+    def finish(self) -> tuple[bool, str, str] | None:
+        """After the tests reached their end: run the TestCase classes no ``main()`` call ran, then judge.
+        None when the tests are no unittest suite (no TestCase class, no ``main()`` call): they passed by
+        reaching their end. Otherwise ``(passed, failure, failure_type)``: passed only when at least one test
+        ran and every test that ran passed. A skipped test, an expected failure and an unexpected success are
+        not passes: a skip or ``expectedFailure`` checks nothing, and a skip condition can ask the solution
+        (``skipUnless(hasattr(solve, "x"))``), which must not choose what is checked."""
+        ran_here = self._run_new_classes()
+        if not self.used and not ran_here:
+            return None
+        result = self.result
+        problems = [(test, _describe_failure(exc)) for test, exc in result.problems]
+        problems += [(test, f"skipped: {reason}") for test, reason in result.skipped]
+        problems += [(test, "an expected failure") for test, _ in result.expectedFailures]
+        problems += [(test, "an unexpected success") for test in result.unexpectedSuccesses]
+        if not problems and result.wasSuccessful():
+            return (True, "", "") if result.testsRun else (False, "the unittest suite ran no tests", "NoTests")
+        shown = problems[:MAX_REPORTED_PROBLEMS]
+        named = "; ".join(f"{_test_name(test)}: {what}" for test, what in shown)
+        more = f"; and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        kind = type(result.problems[0][1]).__name__ if result.problems else "SkippedTest"
+        text = f"{result.testsRun} unittest tests ran, not all passed: {named}{more}"
+        return False, text[:MAX_FAILURE_CHARS], kind
+
+    def _run_new_classes(self) -> bool:
+        """Run the TestCase classes bound at the tests' top level that have not run yet (unittest's own base
+        classes aside); True when there were any. Only the tests define classes here: the solution's names
+        are data or references, never classes."""
+        unittest, loader = self.unittest, self.unittest.TestLoader()
+        new = [value for value in list(self.namespace.values())
+               if isinstance(value, type) and issubclass(value, unittest.TestCase) and value not in self.done
+               and not str(getattr(value, "__module__", "")).startswith("unittest")]
+        if not new:
+            return False
+        self.done.update(new)
+        unittest.TestSuite(loader.loadTestsFromTestCase(cls) for cls in dict.fromkeys(new)).run(self.result)
+        return True
+
+
+class _Program:
+    """What the stand-in ``unittest.main(...)`` returns: like ``unittest.TestProgram``, it has ``result``."""
+
+    def __init__(self, result):
+        self.result = result
+
+
+def _recording_result(unittest: ModuleType) -> type:
+    """A ``unittest.TestResult`` that also keeps each failure's exception (``problems``), so the verdict can
+    say where in the tests it happened, as for plain tests."""
+
+    class RecordingResult(unittest.TestResult):
+        def __init__(self):
+            super().__init__()
+            self.problems: list[tuple[object, BaseException]] = []
+
+        def addError(self, test, err):
+            self.problems.append((test, err[1]))
+            super().addError(test, err)
+
+        def addFailure(self, test, err):
+            self.problems.append((test, err[1]))
+            super().addFailure(test, err)
+
+        def addSubTest(self, test, subtest, err):
+            if err is not None:
+                self.problems.append((subtest, err[1]))
+            super().addSubTest(test, subtest, err)
+
+    return RecordingResult
+
+
+def _test_name(test) -> str:
+    try:
+        name = str(test.id())
+    except BaseException:  # noqa: BLE001 - an id built from a subTest's parameters may be a solution object
+        name = type(test).__name__
+    return name.removeprefix("__main__.")
 
 
 def _describe_failure(exc: BaseException) -> str:

@@ -1,6 +1,7 @@
 """Tests call the solution across two processes; the test styles people write must keep working: plain
 calls, HumanEval's ``check(candidate)``, classes and their methods, generators, in-place mutation,
-callbacks, expected exceptions, the solution's constants and imports. And what cannot cross fails loudly."""
+callbacks, expected exceptions, the solution's constants and imports, unittest suites. And what cannot
+cross fails loudly."""
 
 from __future__ import annotations
 
@@ -104,6 +105,65 @@ TESTS = textwrap.dedent("""
 def test_common_test_styles_pass_against_a_correct_solution():
     result = run_tests(SOLUTION, TESTS, LIMITS)
     assert result.ok, (result.failure, result.stderr[-2000:])
+
+
+UNITTEST_TESTS = textwrap.dedent("""
+    import dataclasses
+    import unittest
+
+    seen = []
+
+    def setUpModule():
+        seen.append("module")
+
+    @dataclasses.dataclass
+    class Case:
+        a: "int"
+        b: "int"
+        want: "int"
+
+    class TestStack(unittest.TestCase):
+        @classmethod
+        def setUpClass(cls):
+            cls.start = add(1, 1)
+
+        def setUp(self):
+            self.stack = Stack().push(self.start)
+
+        def test_fixtures_ran(self):
+            self.assertEqual(seen, ["module"])
+            self.assertEqual(self.stack.pop(), 2)
+
+        def test_errors(self):
+            with self.assertRaises(IndexError):
+                Stack().pop()
+            with self.assertRaisesRegex(ValueError, "not a number"):
+                parse("x")
+
+        def test_cases(self):
+            for case in [Case(1, 2, 3), Case(-1, 1, 0)]:
+                with self.subTest(case=case):
+                    self.assertEqual(add(case.a, case.b), case.want)
+
+    class TestMath(unittest.TestCase):
+        def test_hypot(self):
+            self.assertAlmostEqual(hypot(3, 4), 5.0)
+            self.assertIsInstance(LIMIT, int)
+
+    if __name__ == "__main__":
+        unittest.main(verbosity=2)
+""")
+
+
+@pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
+def test_unittest_suites_run_in_the_test_process():
+    """TestCase classes with module and class fixtures, subTests and assertRaises, ended by ``unittest.main``:
+    the harness runs them (``setUpModule`` is found through ``sys.modules["__main__"]``), and a broken
+    fixture fails the item."""
+    result = run_tests(SOLUTION, UNITTEST_TESTS, LIMITS)
+    assert result.ok, (result.failure, result.stderr[-2000:])
+    broken = run_tests(SOLUTION, UNITTEST_TESTS.replace('seen.append("module")', "parse('y')"), LIMITS)
+    assert broken.status == "error" and "setUpModule" in broken.failure, broken.failure
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
