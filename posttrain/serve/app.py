@@ -13,9 +13,12 @@ API (Bearer token; 401 without a valid one, 403 for the wrong role, 429 with Ret
 ``GET  /api/me``                            any                  the caller's name and role
 ==========================================  ===================  ==========================================
 
-Bodies larger than ``Limits.max_body_bytes`` (bulk: ``max_bulk_bytes``) and texts longer than
-``max_text_chars`` get 413 with a message naming the limit. The pages (``/login``, ``/annotate``,
-``/admin``) are in ``posttrain.serve.pages``. No route answers anonymously except ``/login``.
+Bodies larger than ``Limits.max_body_bytes`` (bulk: ``max_bulk_bytes``), texts longer than
+``max_text_chars`` and JSON objects (sampling, signal detail, metadata) over ``max_json_chars`` get 413
+with a message naming the limit. A body nested more than 32 levels deep, or holding a string no store can
+take (a lone surrogate, NUL), gets 422; in a bulk request that is one line's result, not the request's.
+The pages (``/login``, ``/annotate``, ``/admin``) are in ``posttrain.serve.pages``; they share each user's
+rate limit with the API. No route answers anonymously except ``/login``.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
@@ -34,6 +38,7 @@ from posttrain.serve.db import FeedbackDB, FeedbackDBError, open_db
 from posttrain.serve.models import REASON_REQUIRED, EdgeCaseIn, Limits, ResponsesIn, VoteIn, oversized_text
 from posttrain.serve.monitor import admin_stats
 from posttrain.serve.ratelimit import TokenBuckets
+from posttrain.serve.text import MAX_DEPTH, is_blank, text_problem
 
 BULK_PATH = "/api/edge-cases/bulk"
 
@@ -129,7 +134,7 @@ ANYONE = Depends(require())
 
 def _store_case(service: Service, case: EdgeCaseIn, user: dict[str, Any]) -> tuple[int, dict[str, Any]]:
     data = case.stored()
-    too_long = oversized_text(data, service.limits.max_text_chars)
+    too_long = oversized_text(data, service.limits)
     if too_long:
         return 413, {"detail": too_long}
     result = service.db.add_edge_case(data, user["id"])
@@ -144,8 +149,11 @@ def _task_json(service: Service, task: dict[str, Any]) -> dict[str, Any]:
 
 def record_vote(service: Service, user: dict[str, Any], task_id: str, choice: str, reason: str) -> int:
     """Validate and append one vote (shared by the API and the annotation page); HTTPException on refusal."""
-    if not reason or not reason.strip():
+    if is_blank(reason):  # whitespace and zero-width characters alone are no reason
         raise HTTPException(422, REASON_REQUIRED)
+    problem = text_problem(reason)
+    if problem:
+        raise HTTPException(422, f"reason {problem}")
     if len(reason) > service.limits.max_text_chars:
         raise HTTPException(413, f"reason has {len(reason)} characters; the limit is {service.limits.max_text_chars}")
     task = service.db.task(task_id)
@@ -158,6 +166,13 @@ def record_vote(service: Service, user: dict[str, Any], task_id: str, choice: st
 
 
 def _add_api_routes(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        # FastAPI's own handler echoes each error's input: a body with a lone surrogate then fails to encode
+        # (500), and a megabyte body comes back whole. Where and why is enough to fix a request.
+        return JSONResponse({"detail": [{key: error[key] for key in ("type", "loc", "msg") if key in error}
+                                        for error in exc.errors()]}, status_code=422)  # fmt: skip
+
     @app.post("/api/edge-cases")
     def post_edge_case(case: EdgeCaseIn, request: Request, user: dict = INGEST) -> JSONResponse:
         status, body = _store_case(request.app.state.service, case, user)
@@ -174,7 +189,7 @@ def _add_api_routes(app: FastAPI) -> None:
     def post_responses(case_id: str, body: ResponsesIn, request: Request, user: dict = INGEST) -> JSONResponse:
         service: Service = request.app.state.service
         data = body.model_dump(mode="json")
-        too_long = oversized_text(data, service.limits.max_text_chars)
+        too_long = oversized_text(data, service.limits)
         if too_long:
             return JSONResponse({"detail": too_long}, status_code=413)
         result = service.db.add_responses(case_id, data["responses"], user["id"])
@@ -217,18 +232,29 @@ def _add_api_routes(app: FastAPI) -> None:
         return {"name": user["name"], "role": user["role"]}
 
 
+def _parse_line(line: bytes) -> EdgeCaseIn | str:
+    """One bulk line as an edge case, or why it is refused."""
+    try:
+        return EdgeCaseIn.model_validate(json.loads(line))
+    except RecursionError:  # deeper than Python's JSON parser goes, so far past the depth limit
+        return f"the line is nested more than {MAX_DEPTH} levels deep (the limit is {MAX_DEPTH} levels)"
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(map(str, first.get("loc", ())))
+        return f"{where}: {first['msg']}" if where else first["msg"]
+    except ValueError as exc:  # not JSON, or not UTF-8
+        return str(exc)
+
+
 def _bulk(service: Service, body: bytes, user: dict[str, Any]) -> JSONResponse:
     """One edge case per JSONL line; each line gets its own result, a bad line does not stop the others."""
     results, counts = [], {"created": 0, "existing": 0, "rejected": 0}
     for number, line in enumerate(body.split(b"\n"), start=1):
         if not line.strip():
             continue
-        try:
-            case = EdgeCaseIn.model_validate(json.loads(line))
-        except (ValueError, ValidationError) as exc:
-            reason = exc.errors()[0] if isinstance(exc, ValidationError) else {"msg": str(exc)}
-            where = ".".join(map(str, reason.get("loc", ())))
-            results.append({"line": number, "status": 422, "error": f"{where}: {reason['msg']}" if where else reason["msg"]})
+        case = _parse_line(line)
+        if isinstance(case, str):
+            results.append({"line": number, "status": 422, "error": case})
             counts["rejected"] += 1
             continue
         status, result = _store_case(service, case, user)
@@ -242,11 +268,16 @@ def _bulk(service: Service, body: bytes, user: dict[str, Any]) -> JSONResponse:
 
 
 def create_app(db: FeedbackDB | str, limits: Limits | None = None, *, guideline_version: str | None = None,
-               secure_cookies: bool = False) -> FastAPI:
-    """The ASGI app over ``db`` (a store or its URL). ``secure_cookies``: send the session cookie over HTTPS only."""
+               secure_cookies: bool = False, session_secret: str | None = None) -> FastAPI:
+    """The ASGI app over ``db`` (a store or its URL). ``secure_cookies``: send the session cookie over HTTPS only.
+
+    ``session_secret`` signs the session cookie; None draws a fresh one, so a restart ends every page session
+    (``posttrain serve feedback --session-secret-file`` keeps one across restarts and processes). It is never
+    written to the store: whoever can read the store must not be able to sign a cookie.
+    """
     from starlette.middleware.sessions import SessionMiddleware
 
-    from posttrain.serve.pages import add_page_routes, new_secret
+    from posttrain.serve.pages import SESSION_TTL_S, add_page_routes, new_secret
 
     db = open_db(db) if isinstance(db, str) else db
     limits = limits or Limits()
@@ -256,15 +287,15 @@ def create_app(db: FeedbackDB | str, limits: Limits | None = None, *, guideline_
     app.state.service = Service(db, limits, guideline_version, secure_cookies)
     _add_api_routes(app)
     add_page_routes(app)
-    app.add_middleware(SessionMiddleware, secret_key=db.setting("session_secret", new_secret),
+    app.add_middleware(SessionMiddleware, secret_key=session_secret or new_secret(),
                        session_cookie="posttrain_session", same_site="strict", https_only=secure_cookies,
-                       max_age=12 * 3600)  # fmt: skip
+                       max_age=SESSION_TTL_S)  # fmt: skip
     app.add_middleware(BodyLimit, limits=limits)
     return app
 
 
 def run_in_thread(db_url: str, limits: Limits | None = None, *, guideline_version: str | None = None,
-                  host: str = "127.0.0.1") -> tuple[str, Any]:
+                  host: str = "127.0.0.1", session_secret: str | None = None) -> tuple[str, Any]:
     """Serve ``db_url`` on ``host`` at a free port in a background thread; return ``(base_url, stop)``.
 
     ``stop()`` shuts the server down and closes the store. Used by the tests and by the flywheel.
@@ -272,7 +303,7 @@ def run_in_thread(db_url: str, limits: Limits | None = None, *, guideline_versio
     import uvicorn
 
     db = open_db(db_url)
-    app = create_app(db, limits, guideline_version=guideline_version)
+    app = create_app(db, limits, guideline_version=guideline_version, session_secret=session_secret)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, 0))

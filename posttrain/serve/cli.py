@@ -1,6 +1,7 @@
 """``posttrain serve …`` and ``posttrain feedback export``: the feedback service's commands.
 
     posttrain serve feedback [--db URL] [--host H] [--port P] [--guidelines FILE --guidelines-version V]
+                             [--session-secret-file FILE] [limits: --rate, --burst, --max-…]
     posttrain serve user add NAME --role admin|annotator|ingest [--db URL]     (prints the token once)
     posttrain serve import --server URL --token T (--jsonl FILE | --eval-results FILE)
     posttrain feedback export [--db URL] --out DIR [--min-votes K] [--until VOTE_ID_OR_TIME]
@@ -45,7 +46,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     feedback.add_argument("--burst", type=int, default=60, help="requests one token may make at once (default 60)")
     feedback.add_argument("--max-body-bytes", type=int, default=1 << 20, help="largest JSON request (default 1 MiB)")
     feedback.add_argument("--max-bulk-bytes", type=int, default=16 << 20, help="largest bulk JSONL request (16 MiB)")
-    feedback.add_argument("--max-text-chars", type=int, default=100_000, help="longest prompt/response/reason")
+    feedback.add_argument("--max-text-chars", type=int, default=100_000,
+                          help="longest prompt, response, signal detail or reason (default 100000)")
+    feedback.add_argument("--max-json-chars", type=int, default=32_768, help="largest sampling, signal detail or "
+                          "metadata object, as stored JSON (default 32768)")
+    feedback.add_argument("--session-secret-file", metavar="FILE", help="sign page sessions with the secret in FILE "
+                          "(created 0600 if missing) so they survive restarts and work across processes; without "
+                          "it a secret is drawn at start and a restart logs everyone out of the pages")
     feedback.add_argument("--secure-cookies", action="store_true", help="send the session cookie over HTTPS only "
                           "(set this behind a TLS proxy)")
     feedback.set_defaults(func=_serve)
@@ -111,6 +118,7 @@ def _serve(args: argparse.Namespace) -> int:
     from posttrain.serve.app import create_app
     from posttrain.serve.db import open_db
     from posttrain.serve.models import Limits
+    from posttrain.serve.pages import secret_from_file
 
     if bool(args.guidelines) != bool(args.guidelines_version):
         print("posttrain serve feedback: give --guidelines FILE and --guidelines-version V together", file=sys.stderr)
@@ -120,8 +128,11 @@ def _serve(args: argparse.Namespace) -> int:
         with open(args.guidelines, encoding="utf-8") as handle:
             db.put_guideline(args.guidelines_version, handle.read())
     limits = Limits(max_body_bytes=args.max_body_bytes, max_bulk_bytes=args.max_bulk_bytes,
-                    max_text_chars=args.max_text_chars, rate=args.rate, burst=args.burst)  # fmt: skip
-    app = create_app(db, limits, guideline_version=args.guidelines_version, secure_cookies=args.secure_cookies)
+                    max_text_chars=args.max_text_chars, max_json_chars=args.max_json_chars, rate=args.rate,
+                    burst=args.burst)  # fmt: skip
+    secret = secret_from_file(args.session_secret_file) if args.session_secret_file else None
+    app = create_app(db, limits, guideline_version=args.guidelines_version, secure_cookies=args.secure_cookies,
+                     session_secret=secret)  # fmt: skip
     print(f"feedback service on http://{args.host}:{args.port} (store {db.backend.name}, schema v{db.schema_version()}); "
           f"annotate at /annotate, admin at /admin")
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")

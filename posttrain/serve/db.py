@@ -10,7 +10,14 @@ a busy timeout, and write transactions take the write lock up front (``BEGIN IMM
 writers queue instead of failing half-way. Idempotency relies on primary keys (``INSERT … ON CONFLICT DO
 NOTHING RETURNING``), never on check-then-insert, so concurrent repeats cannot create two rows.
 
-Tokens are random (``pt_`` + 32 url-safe bytes), shown once, and stored as their SHA-256 only.
+Tokens are random (``pt_`` + 32 url-safe bytes), shown once, and stored as their SHA-256 only; so are the
+ids of page sessions (``start_session``), which logout deletes. Nothing in the store signs anything: the
+session cookie's secret is kept outside it (``posttrain.serve.pages``).
+
+A SQLite store is private to its owner: the file is created 0600 (its ``-wal`` and ``-shm`` files, which
+SQLite creates later with the database file's mode, follow), a store found with group or other bits has
+them removed at open, and directories posttrain creates for it are 0700. Deleted rows are overwritten
+(``secure_delete``), so a removed secret does not linger in a free page.
 """
 
 from __future__ import annotations
@@ -18,15 +25,18 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import os
 import secrets
+import stat
 import threading
 from collections.abc import Iterator
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 from posttrain.data.records import stable_id
 from posttrain.serve.schema import MIGRATIONS, ROLES
+from posttrain.serve.text import is_blank
 
 DEFAULT_DB = "sqlite:///feedback.db"
 CHOICES = ("left", "right", "tie", "both_bad")
@@ -36,8 +46,12 @@ class FeedbackDBError(ValueError):
     """Bad input to the store (unknown role, duplicate user, bad URL); the message says what to fix."""
 
 
+def _stamp(moment: datetime) -> str:
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
 def now() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    return _stamp(datetime.now(UTC))
 
 
 def canonical_json(value: Any) -> str:
@@ -47,6 +61,11 @@ def canonical_json(value: Any) -> str:
 
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def _no_such_key(key: str) -> bool:
+    """True for a lookup key no row can have: ids never hold NUL, and PostgreSQL raises on one (a 500)."""
+    return "\x00" in key
 
 
 def edge_case_id(prompt: Any, signal: dict, source: str, captured: dict) -> str:
@@ -76,6 +95,34 @@ class _Backend:
     def lock_migrations(self, conn: Any) -> None:
         """Taken inside the migration transaction: two servers starting at once migrate one after the other."""
 
+    def after_migrations(self, conn: Any) -> None:
+        """Run after migrations were applied, outside their transaction."""
+
+
+SIDECARS = ("", "-wal", "-shm", "-journal")
+
+
+def _private_dirs(directory: Path) -> None:
+    """Create ``directory`` and its missing parents 0700 (``mkdir -p`` would give the umask's usual 0755)."""
+    missing = [d for d in (directory, *directory.parents) if not d.exists()]
+    for path in reversed(missing):
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:  # made by someone else meanwhile: theirs, left as it is
+            continue
+        os.chmod(path, 0o700)  # exactly 0700 whatever the umask
+
+
+def _tighten(path: str) -> None:
+    """Remove group and other bits from the store's files that this user owns (stores made before 0600)."""
+    for name in (path + suffix for suffix in SIDECARS):
+        try:
+            info = os.stat(name)
+        except FileNotFoundError:
+            continue
+        if info.st_uid == os.geteuid() and stat.S_IMODE(info.st_mode) & 0o077:
+            os.chmod(name, stat.S_IMODE(info.st_mode) & 0o700)
+
 
 class _SQLite(_Backend):
     name = "sqlite"
@@ -86,7 +133,12 @@ class _SQLite(_Backend):
         self.path, self.busy_timeout_ms = path, busy_timeout_ms
         self.integrity_errors = (sqlite3.IntegrityError,)
         if path != ":memory:":
-            Path(path).parent.mkdir(parents=True, exist_ok=True)
+            _private_dirs(Path(path).parent)
+            try:  # an empty file is an empty SQLite database; made here, it is 0600 from its first byte
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            except FileExistsError:
+                pass
+            _tighten(path)
 
     def connect(self) -> Any:
         import sqlite3
@@ -98,10 +150,19 @@ class _SQLite(_Backend):
         conn.execute("PRAGMA journal_mode = WAL")
         conn.execute("PRAGMA synchronous = NORMAL")  # WAL + NORMAL: durable at checkpoints, safe against corruption
         conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute("PRAGMA secure_delete = ON")  # a deleted secret or session is zeroed, not left in a free page
+        if self.path != ":memory:":
+            _tighten(self.path)  # -wal/-shm of a store that was 0644 when they were made
         return conn
 
     def begin_write(self, conn: Any) -> None:
         conn.execute("BEGIN IMMEDIATE")
+
+    def after_migrations(self, conn: Any) -> None:
+        # Copy the migrated pages into the database file and empty the write-ahead log, whose old frames may
+        # still hold what a migration deleted (version 2: the session secret). Best effort: a reader in another
+        # process can hold frames back; the old secret is never used again either way.
+        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
 
 class _Postgres(_Backend):
@@ -212,6 +273,8 @@ class FeedbackDB:
                 self.query("INSERT INTO schema_migrations (version, name, applied_at) VALUES (?, ?, ?)",
                            (migration.version, migration.name, now()))
                 applied_now.append(migration.version)
+        if applied_now:
+            self.backend.after_migrations(self._conn())
         return applied_now
 
     def schema_version(self) -> int:
@@ -223,8 +286,8 @@ class FeedbackDB:
         """Create a user; return the token, which is shown once and stored only as its SHA-256."""
         if role not in ROLES:
             raise FeedbackDBError(f"unknown role {role!r}; expected one of {', '.join(ROLES)}")
-        if not name or not name.strip():
-            raise FeedbackDBError("a user needs a non-empty name")
+        if not name or is_blank(name):
+            raise FeedbackDBError("a user needs a non-empty name (visible characters, not only spaces)")
         token = "pt_" + secrets.token_urlsafe(32)
         try:
             with self.write():
@@ -242,10 +305,27 @@ class FeedbackDB:
     def user(self, user_id: int) -> dict[str, Any] | None:
         return self.one("SELECT id, name, role FROM users WHERE id = ?", (user_id,))
 
-    def setting(self, key: str, make: Any) -> str:
-        """A stored setting (e.g. the session secret), created once with ``make()`` if absent."""
-        self.query("INSERT INTO settings (key, value) VALUES (?, ?) ON CONFLICT (key) DO NOTHING", (key, make()))
-        return self.scalar("SELECT value FROM settings WHERE key = ?", (key,))
+    # -- page sessions --------------------------------------------------------------------------------------
+
+    def start_session(self, user_id: int, ttl_s: float) -> str:
+        """A new page session for ``user_id``, valid ``ttl_s`` seconds; returns its id (stored as SHA-256 only)."""
+        session_id = secrets.token_urlsafe(32)
+        started = datetime.now(UTC)
+        with self.write():
+            self.query("DELETE FROM sessions WHERE expires_at <= ?", (_stamp(started),))  # expired: of no use
+            self.query("INSERT INTO sessions (id_hash, user_id, created_at, expires_at) VALUES (?, ?, ?, ?)",
+                       (hash_token(session_id), user_id, _stamp(started), _stamp(started + timedelta(seconds=ttl_s))))
+        return session_id
+
+    def session_user(self, session_id: str) -> dict[str, Any] | None:
+        """The user of a live (started, not ended, not expired) session, or None."""
+        if not session_id:
+            return None
+        return self.one("SELECT u.id, u.name, u.role FROM sessions s JOIN users u ON u.id = s.user_id "
+                        "WHERE s.id_hash = ? AND s.expires_at > ?", (hash_token(session_id), now()))  # fmt: skip
+
+    def end_session(self, session_id: str) -> None:
+        self.query("DELETE FROM sessions WHERE id_hash = ?", (hash_token(session_id),))
 
     # -- guidelines -----------------------------------------------------------------------------------------
 
@@ -290,6 +370,8 @@ class FeedbackDB:
 
     def add_responses(self, case_id: str, responses: list[dict[str, Any]], user_id: int) -> dict[str, Any] | None:
         """Add alternative responses to a stored case; None when the case does not exist."""
+        if _no_such_key(case_id):
+            return None
         for _ in range(5):
             try:
                 with self.write():
@@ -318,6 +400,8 @@ class FeedbackDB:
         return ids, added
 
     def edge_case(self, case_id: str) -> dict[str, Any] | None:
+        if _no_such_key(case_id):
+            return None
         row = self.one("SELECT * FROM edge_cases WHERE id = ?", (case_id,))
         if row is None:
             return None
@@ -361,6 +445,8 @@ class FeedbackDB:
 
     def task(self, assignment_id: str) -> dict[str, Any] | None:
         """An assignment with the texts it shows: ``prompt`` (decoded), ``left_text``, ``right_text``."""
+        if _no_such_key(assignment_id):
+            return None
         row = self.one(
             """SELECT a.*, e.prompt AS prompt, l.text AS left_text, r.text AS right_text
                  FROM assignments a JOIN edge_cases e ON e.id = a.edge_case_id
@@ -376,7 +462,7 @@ class FeedbackDB:
         """Append a vote on ``task`` (an assignment row); ``choice`` is left / right / tie / both_bad as shown."""
         if choice not in CHOICES:
             raise FeedbackDBError(f"choice must be one of {', '.join(CHOICES)}")
-        if not reason or not reason.strip():
+        if not reason or is_blank(reason):
             raise FeedbackDBError("a vote needs a reason")
         winner = {"left": task["left_response_id"], "right": task["right_response_id"]}.get(choice, choice)
         with self.write():

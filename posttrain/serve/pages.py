@@ -1,8 +1,12 @@
 """The server-rendered pages: ``/login``, ``/annotate``, ``/admin`` (Jinja2 with autoescape; no build step).
 
-A session is a signed, HttpOnly, SameSite=Strict cookie (Starlette's ``SessionMiddleware``, keyed by a
-secret kept in the store) holding the user id and a CSRF token. Every form carries that token and every
-form POST checks it server-side (403 when missing or wrong); the login form gets one in a pre-session.
+A session is a signed, HttpOnly, SameSite=Strict cookie (Starlette's ``SessionMiddleware``) holding a random
+session id and a CSRF token. The id is what logs the user in: the store keeps its SHA-256 with the user and an
+expiry (``sessions``), and logout deletes that row, so a copy of the cookie is worthless afterwards. The
+cookie's signing secret is drawn at start or read from a 0600 file (``secret_from_file``), never kept in the
+store. Every form carries the CSRF token and every form POST checks it server-side (403 when missing or
+wrong); the login form gets one in a pre-session. Page requests of a logged-in user take from the same
+per-user rate limit as their API calls (429 with ``Retry-After``).
 Every page is sent with a Content-Security-Policy that allows only this response's own inline script and
 style (a fresh nonce each time), so even a payload that escaped the escaping could not run.
 
@@ -12,19 +16,49 @@ Pages without a valid session answer 401 with a link to ``/login``; the wrong ro
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import stat
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, HTTPException, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from posttrain.serve.ratelimit import TokenBuckets
 
 TEMPLATES = Path(__file__).parent / "templates"
 CHOICE_LABELS = {"left": "A", "right": "B", "tie": "tie", "both_bad": "both bad"}
+SESSION_TTL_S = 12 * 3600
 
 
 def new_secret() -> str:
     return secrets.token_urlsafe(48)
+
+
+def secret_from_file(path: str | Path) -> str:
+    """The session secret in ``path``; created (0600, a fresh secret) when missing.
+
+    Several server processes given the same file accept each other's cookies, and sessions survive a
+    restart. A file that others may read is refused rather than used: that secret signs every session.
+    """
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        fd = None
+    if fd is not None:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(new_secret() + "\n")
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        raise PermissionError(f"{path} is readable by others (mode {mode:o}): chmod 600 {path}")
+    secret = path.read_text(encoding="utf-8").strip()
+    if len(secret) < 32:
+        raise ValueError(f"{path} holds {len(secret)} characters; a session secret needs at least 32 "
+                         f"(delete the file and a fresh one is made)")  # fmt: skip
+    return secret
 
 
 def _environment():
@@ -34,8 +68,8 @@ def _environment():
 
 
 class PageError(Exception):
-    def __init__(self, status: int, message: str):
-        self.status, self.message = status, message
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
+        self.status, self.message, self.headers = status, message, headers or {}
 
 
 def _render(request: Request, name: str, status: int = 200, **context: Any) -> HTMLResponse:
@@ -52,13 +86,22 @@ def _render(request: Request, name: str, status: int = 200, **context: Any) -> H
     return HTMLResponse(html, status_code=status, headers=headers)
 
 
-def _session_user(request: Request, *roles: str) -> dict[str, Any]:
-    user_id = request.session.get("uid")
-    user = request.app.state.service.db.user(user_id) if isinstance(user_id, int) else None
+def _session_user(request: Request, *roles: str, rate_limited: bool = True) -> dict[str, Any]:
+    """The logged-in user, by the session id in the cookie and its row in the store (gone after logout).
+
+    ``rate_limited``: take one request from the user's bucket, the one their API token uses too.
+    """
+    service = request.app.state.service
+    session_id = request.session.get("sid")
+    user = service.db.session_user(session_id) if isinstance(session_id, str) else None
     if user is None:
         raise PageError(401, "Please log in with your token.")
     if roles and user["role"] not in roles:
         raise PageError(403, f"Your role ({user['role']}) cannot open this page; it needs {' or '.join(roles)}.")
+    wait = service.buckets.take(user["id"]) if rate_limited else 0.0
+    if wait > 0:
+        raise PageError(429, f"Too many requests: the limit is {service.limits.rate:g} per second. Wait a moment "
+                        "and try again.", headers={"Retry-After": TokenBuckets.retry_after_header(wait)})
     return user
 
 
@@ -91,7 +134,7 @@ def add_page_routes(app: FastAPI) -> None:
     async def page_error(request: Request, exc: PageError) -> HTMLResponse:
         headers_extra = {"WWW-Authenticate": 'Cookie realm="posttrain feedback"'} if exc.status == 401 else {}
         response = _render(request, "message.html", exc.status, message=exc.message, login=exc.status in (401, 403))
-        response.headers.update(headers_extra)
+        response.headers.update({**headers_extra, **exc.headers})
         return response
 
     @app.get("/login")
@@ -107,14 +150,16 @@ def add_page_routes(app: FastAPI) -> None:
         user = request.app.state.service.db.user_for_token(token.strip() if isinstance(token, str) else "")
         if user is None:
             return _render(request, "login.html", 401, error="That token is not valid.")
-        request.session.clear()
-        request.session.update({"uid": user["id"], "csrf": secrets.token_urlsafe(24)})  # a fresh token per session
+        session_id = await run_in_threadpool(request.app.state.service.db.start_session, user["id"], SESSION_TTL_S)
+        request.session.clear()  # a fresh id and CSRF token per login: nothing from the pre-session carries over
+        request.session.update({"sid": session_id, "csrf": secrets.token_urlsafe(24)})
         return RedirectResponse("/admin" if user["role"] == "admin" else "/annotate", status_code=303)
 
     @app.post("/logout")
     async def logout(request: Request) -> Response:
-        _session_user(request)
+        _session_user(request, rate_limited=False)  # logging out is always allowed
         _check_csrf(request, await request.form())
+        await run_in_threadpool(request.app.state.service.db.end_session, request.session["sid"])
         request.session.clear()
         return RedirectResponse("/login", status_code=303)
 
@@ -129,8 +174,6 @@ def add_page_routes(app: FastAPI) -> None:
 
     @app.post("/annotate")
     async def vote(request: Request) -> Response:
-        from starlette.concurrency import run_in_threadpool
-
         from posttrain.serve.app import record_vote
 
         user = _session_user(request, "annotator", "admin")

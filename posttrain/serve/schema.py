@@ -103,4 +103,16 @@ MIGRATIONS: tuple[Migration, ...] = (
         {"postgresql": "CREATE TRIGGER votes_append_only BEFORE UPDATE OR DELETE ON votes "
                        "FOR EACH ROW EXECUTE FUNCTION votes_append_only()"},
     )),
+    # Version 1 kept the cookie-signing secret in ``settings``: anyone who could read the store could sign an
+    # admin session. The secret now lives outside the store, and a page session is a row here (the SHA-256 of
+    # a random id, like tokens) that logout deletes, so a replayed cookie finds nothing.
+    Migration(2, "server-side page sessions; the session secret leaves the store", (
+        """CREATE TABLE sessions (
+            id_hash TEXT PRIMARY KEY,
+            user_id INTEGER NOT NULL REFERENCES users(id),
+            created_at TEXT NOT NULL,
+            expires_at TEXT NOT NULL)""",
+        "CREATE INDEX sessions_by_expiry ON sessions (expires_at)",
+        "DELETE FROM settings WHERE key = 'session_secret'",
+    )),
 )  # fmt: skip

@@ -105,3 +105,35 @@ def test_user_content_renders_inert_on_annotate_and_admin(sqlite_server):
         for tag in re.findall(r"<script[^>]*>", html):
             assert f'nonce="{nonce}"' in tag
     assert "R &lt;script&gt;" in admin.text  # the reason is shown, escaped
+
+
+def test_sessions_survive_a_restart_only_with_the_secret_file(make_db_url, tmp_path):
+    import os
+    import stat
+
+    from posttrain.serve.app import run_in_thread
+    from posttrain.serve.pages import secret_from_file
+    from tests.serve.conftest import LiveServer
+
+    setup = start_server(make_db_url("sqlite"))  # the users; then the same store served three times
+    setup.stop()
+
+    def serve(secret):
+        url, stop = run_in_thread(setup.db_url, session_secret=secret)
+        return LiveServer(url, setup.db_url, setup.tokens, stop)
+
+    secret_file = tmp_path / "session.secret"
+    first = serve(secret_from_file(secret_file))
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600 and len(secret_file.read_text().strip()) >= 32
+    cookie = login(first, "annotator").cookies["posttrain_session"]
+    first.stop()
+    for secret, expected in ((secret_from_file(secret_file), 200), (None, 401)):  # the file's secret, a drawn one
+        again = serve(secret)
+        try:
+            replay = httpx.Client(base_url=again.url, cookies={"posttrain_session": cookie})
+            assert replay.get("/annotate").status_code == expected
+        finally:
+            again.stop()
+    os.chmod(secret_file, 0o644)
+    with pytest.raises(PermissionError, match="chmod 600"):
+        secret_from_file(secret_file)
