@@ -3,6 +3,12 @@
 Every error names where the bad value came from (``file:line`` or the command-line override),
 the dotted key, and what to do: an unknown key names the nearest valid key, a wrong type names
 the expected type. Nothing is silently dropped: models forbid extra keys.
+
+Every user YAML posttrain reads (recipes, overrides, eval suites, a run's ``config.yaml``, rules files) goes
+through ``load_yaml`` / ``read_yaml``, which refuse a file before building any Python object from it when
+it is over ``MAX_YAML_BYTES``, expands through its aliases to more than ``MAX_YAML_NODES`` values (a 1 KB
+"billion laughs" file names 10**9) or nests deeper than ``MAX_YAML_DEPTH`` (PyYAML's composer recurses
+once per level). A config is a few hundred values, so the bounds only ever stop hostile or broken files.
 """
 
 from __future__ import annotations
@@ -35,6 +41,106 @@ class ConfigError(ValueError):
 
 _YAML11_WORDS = {"on", "off", "yes", "no", "y", "n"}
 
+MAX_YAML_BYTES = 10 * 2**20
+MAX_YAML_NODES = 100_000  # values after expanding every alias; an eval suite this big belongs in a .jsonl file
+MAX_YAML_DEPTH = 200  # levels below the top: `a: [[1]]` nests 3 deep
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader whose composer stops at ``MAX_YAML_DEPTH`` levels, before Python's recursion limit does
+    (each level costs a few frames, so a 20,000-deep file would end in RecursionError)."""
+
+    def __init__(self, stream: str):
+        super().__init__(stream)
+        self._depth = 0
+
+    def compose_node(self, parent, index):
+        self._depth += 1  # the nodes on the path, this one included: its depth (the root's is 0) plus one
+        try:
+            if self._depth > MAX_YAML_DEPTH + 1:
+                raise _TooBig(self.peek_event().start_mark, f"YAML nested more than {MAX_YAML_DEPTH} levels deep")
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+
+class _TooBig(Exception):
+    def __init__(self, mark: yaml.Mark | None, problem: str):
+        super().__init__(problem)
+        self.mark, self.problem = mark, problem
+
+
+def _expanded_size(node: yaml.Node, depth: int, sizes: dict[int, tuple[int, int]], open_: set[int]) -> int:
+    """The number of values ``node`` stands for once every alias is expanded; ``_TooBig`` past the bounds.
+
+    An alias is the very node it names (PyYAML's composer shares it), so a node reached twice is counted
+    twice, from ``sizes`` (id → (size, height)): the walk visits each node once however often it is named.
+    Recursion is bounded by ``MAX_YAML_DEPTH``; ``open_`` holds the nodes on the current path (a cycle).
+    """
+    if id(node) in sizes:
+        size, height = sizes[id(node)]
+        if depth + height > MAX_YAML_DEPTH:
+            raise _TooBig(node.start_mark, f"YAML nested more than {MAX_YAML_DEPTH} levels deep (through aliases)")
+        return size
+    if depth > MAX_YAML_DEPTH:
+        raise _TooBig(node.start_mark, f"YAML nested more than {MAX_YAML_DEPTH} levels deep")
+    if id(node) in open_:
+        raise _TooBig(node.start_mark, "an alias refers to a value that contains it (a recursive structure)")
+    if isinstance(node, yaml.SequenceNode):
+        children = node.value
+    elif isinstance(node, yaml.MappingNode):
+        children = [child for pair in node.value for child in pair]
+    else:
+        children = []
+    open_.add(id(node))
+    size, height = 1, 0
+    for child in children:
+        size += _expanded_size(child, depth + 1, sizes, open_)
+        height = max(height, 1 + sizes[id(child)][1])
+        if size > MAX_YAML_NODES:
+            raise _TooBig(node.start_mark, f"YAML of more than {MAX_YAML_NODES} values once its aliases (`*name`) "
+                          "are expanded; a config is a few hundred")
+    open_.discard(id(node))
+    sizes[id(node)] = (size, height)
+    return size
+
+
+def _load_bounded(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    """The value of YAML ``text`` and its node graph, composed once and checked against the bounds before
+    any Python object is built from it. ``yaml.YAMLError`` for invalid YAML; ConfigError past a bound."""
+    size = len(text.encode("utf-8", errors="surrogatepass"))
+    if size > MAX_YAML_BYTES:
+        raise ConfigError([f"{source}: {size} bytes, more than the {MAX_YAML_BYTES} bytes a YAML file may have"])
+    loader = _BoundedLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, None
+        _expanded_size(node, 0, {}, set())
+        return loader.construct_document(node), node
+    except _TooBig as exc:
+        where = f"{source}:{exc.mark.line + 1}" if exc.mark else source
+        raise ConfigError([f"{where}: {exc.problem}"]) from None
+    except RecursionError:  # a backstop: the bounds above stop every nesting the composer would recurse into
+        raise ConfigError([f"{source}: YAML nested more than {MAX_YAML_DEPTH} levels deep"]) from None
+    finally:
+        loader.dispose()
+
+
+def _parse_checked(text: str, source: str) -> tuple[Any, yaml.Node | None]:
+    try:
+        return _load_bounded(text, source)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{source}:{mark.line + 1}" if mark else source
+        raise ConfigError([f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+
+
+def load_yaml(text: str, source: str) -> Any:
+    """The value of YAML ``text`` (``source`` names it in errors): the one way posttrain parses a user's YAML.
+    ConfigError for invalid YAML or YAML past the bounds (``MAX_YAML_*``), naming ``source`` and the line."""
+    return _parse_checked(text, source)[0]
+
 Override = tuple[tuple[str, ...], Any, str]  # (dotted path, parsed value, original text)
 
 
@@ -46,9 +152,9 @@ def parse_overrides(items: list[str]) -> list[Override]:
         if not sep or not key.strip():
             raise ConfigError([f"command line: `{item}`: expected key=value, e.g. train.lr=3e-4"])
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = _load_bounded(raw, f"command line `{item}`")[0] if raw.strip() else ""
         except yaml.YAMLError:
-            value = raw
+            value = raw  # not YAML: the text itself (a bound exceeded is still a ConfigError)
         # YAML 1.1 reads on/off/yes/no as booleans; on the command line they are words.
         if raw.strip().lower() in _YAML11_WORDS:
             value = raw.strip()
@@ -76,15 +182,19 @@ def _line_map(node: yaml.Node, prefix: tuple[str, ...], out: dict[tuple[str, ...
 
 
 def read_yaml(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, ...], int]]:
-    """Read a YAML mapping and the line of every key in it."""
-    text = Path(path).read_text(encoding="utf-8")
+    """Read a YAML mapping and the line of every key in it (bounded as ``load_yaml``)."""
+    with open(path, "rb") as handle:
+        raw = handle.read(MAX_YAML_BYTES + 1)  # no more than the bound, however big the file is
+    if len(raw) > MAX_YAML_BYTES:
+        size = Path(path).stat().st_size
+        raise ConfigError([f"{path}: {size} bytes, more than the {MAX_YAML_BYTES} bytes a YAML file may have"])
     try:
-        data = yaml.safe_load(text) or {}
-        node = yaml.compose(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark else str(path)
-        raise ConfigError([f"{where}: not valid YAML: {getattr(exc, 'problem', exc)}"]) from None
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise ConfigError([f"{path}:{line}: not valid YAML: invalid UTF-8 at byte {exc.start}"]) from None
+    data, node = _parse_checked(text, str(path))
+    data = data or {}
     if not isinstance(data, dict):
         raise ConfigError([f"{path}: the top level must be a mapping of keys to values"])
     lines: dict[tuple[str, ...], int] = {}

@@ -77,6 +77,12 @@ class DataConfig(StrictModel):
         default=None, ge=1, description="Steps until c(t) reaches 1; default: half of the run."
     )
     shuffle: bool = True
+    # The same default as posttrain.data.lines.MAX_RECORD_BYTES (not imported: it would load fsspec for --help).
+    max_record_bytes: int = Field(
+        default=64 * 2**20, ge=1, description="Longest JSON line read as a record, in bytes (default 64 MiB). A "
+        "longer line is skipped to its end without being held in memory and counted as a bad record (quarantined "
+        "with the reason under on_error: quarantine, else the read stops naming its line).",
+    )
 
 
 class TrainConfig(StrictModel):

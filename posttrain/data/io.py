@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
-import lzma
 import os
-import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -39,6 +37,14 @@ from posttrain.data.formats import (
     convert,
     detect_format,
     record_to_raw,
+)
+from posttrain.data.lines import (  # iter_lines, iter_text_lines: the package reads every line through this module
+    MAX_RECORD_BYTES,
+    LineTooLong,
+    iter_chunks,
+    iter_lines,
+    iter_text_lines,  # noqa: F401 - re-exported
+    read_all,
 )
 from posttrain.data.read_report import ReadReport
 from posttrain.data.records import RECORD_KINDS, Record
@@ -133,71 +139,15 @@ def _encodable(value: Any) -> bool:
     return True
 
 
-# What decompressors raise for a truncated or damaged stream (gzip: EOFError, BadGzipFile, zlib.error; bz2:
-# EOFError, OSError; xz: LZMAError). An OSError with an errno is a real I/O error and is left alone.
-_DECOMPRESSION_ERRORS = (EOFError, zlib.error, lzma.LZMAError, OSError)
-
-
-def _damaged_stream(path: str, exc: BaseException, lines: int) -> DataError | None:
-    """A one-line ``DataError`` for a compressed file that ends early or is corrupt; None for other errors."""
-    compression = fsspec.utils.infer_compression(str(path))
-    if compression is None or (isinstance(exc, OSError) and exc.errno is not None):
-        return None
-    after = f" after {lines} complete line{'s' if lines != 1 else ''}" if lines else ""
-    check = f" (`gzip -t {path}` checks it)" if compression == "gzip" else ""
-    return DataError(str(path), None, None, f"the {compression}-compressed file is truncated or corrupt{after} "
-                     f"({type(exc).__name__}: {exc}); it cannot be read to the end: re-create or re-download "
-                     f"it{check}")
-
-
-def iter_lines(path: str) -> Iterator[tuple[int, bytes]]:
-    """``(line_number, bytes)`` of each line of a text file (local or fsspec URL, compression by suffix),
-    line ending removed, a leading UTF-8 BOM dropped. Bytes, so one bad byte spoils one line, not the file.
-    A truncated or corrupt compressed file raises ``DataError``."""
-    number = 0
-    try:
-        with fsspec.open(str(path), "rb", compression="infer") as handle:
-            for number, data in enumerate(handle, start=1):
-                if number == 1 and data.startswith(b"\xef\xbb\xbf"):
-                    data = data[3:]
-                if data.endswith(b"\n"):
-                    data = data[:-2] if data.endswith(b"\r\n") else data[:-1]
-                yield number, data
-    except _DECOMPRESSION_ERRORS as exc:
-        # `number` lines were read whole before the stream broke (the one being read is lost).
-        error = _damaged_stream(path, exc, number)
-        if error is None:
-            raise
-        raise error from None
-
-
-def iter_text_lines(path: str) -> Iterator[tuple[int, str]]:
-    """``(line_number, text)`` of each non-blank line of a plain-text file (``iter_lines`` decoded); a line
-    that is not UTF-8 raises ``DataError`` naming file, line and byte."""
-    for number, data in iter_lines(path):
-        try:
-            line = data.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise DataError(path, number, None, f"invalid UTF-8 at byte {exc.start} of the line") from None
-        if line.strip():
-            yield number, line
-
-
-def _read_all(path: str, size: int = -1) -> bytes:
-    """The (decompressed) bytes of a file, or its first ``size``; ``DataError`` for a damaged compressed file."""
-    try:
-        with fsspec.open(path, "rb", compression="infer") as handle:
-            return handle.read(size)
-    except _DECOMPRESSION_ERRORS as exc:
-        error = _damaged_stream(path, exc, 0)
-        if error is None:
-            raise
-        raise error from None
-
-
-def _iter_json_lines(path: str) -> Iterator[tuple[int, dict | BadLine]]:
-    for number, data in iter_lines(path):
-        yield number, parse_json_line(data)
+def _iter_json_lines(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, dict | BadLine]]:
+    for number, data in iter_lines(path, max_record_bytes):
+        if isinstance(data, LineTooLong):
+            # Counted with the lines that do not parse (as one nested too deeply is): the categories are
+            # fixed, curation maps each to a funnel reason. The reason says what happened.
+            yield number, BadLine(data.reason, MALFORMED_JSON, data.head.decode("utf-8", errors="backslashreplace")
+                                  + f"… ({data.size} bytes)")
+        else:
+            yield number, parse_json_line(data)
 
 
 def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine]]:
@@ -245,11 +195,11 @@ def _iter_json_array(path: str, text: str) -> Iterator[tuple[int, dict | BadLine
 
 def _is_json_array(path: str) -> bool:
     """A ``.json`` file is either JSON lines or one JSON array of objects (common for Alpaca data)."""
-    return _read_all(path, 4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
+    return read_all(path, 4096).lstrip(b"\xef\xbb\xbf \t\r\n").startswith(b"[")
 
 
 def _iter_json_array_file(path: str) -> Iterator[tuple[int, dict | BadLine]]:
-    data = _read_all(path)
+    data = read_all(path)
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as exc:
@@ -318,11 +268,11 @@ def source_layout(path: str) -> Layout:
     return "lines" if _kind_of_source(str(path)) == "json_lines" else "rows"
 
 
-def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
+def iter_raw_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, dict | BadLine]]:
     """``(line, object or BadLine)`` for every line, row or array element of one record file (or saved
-    dataset), blank lines included (as ``BLANK_LINE``). Raises ``FileNotFoundError``, or ``DataError`` for
-    an unsupported file type or a JSON array past a syntax error. ``read_records`` also reads shard sets
-    (``posttrain.data.shards``)."""
+    dataset), blank lines included (as ``BLANK_LINE``); a JSON line of more than ``max_record_bytes`` is a
+    ``BadLine``, skipped unread. Raises ``FileNotFoundError``, or ``DataError`` for an unsupported file type
+    or a JSON array past a syntax error. ``read_records`` also reads shard sets (``posttrain.data.shards``)."""
     path = str(path)
     kind = _kind_of_source(path)
     if kind == "dataset":
@@ -331,7 +281,7 @@ def iter_raw_records(path: str) -> Iterator[tuple[int, dict | BadLine]]:
         return _iter_parquet(path)
     if kind == "json_array":
         return _iter_json_array_file(path)
-    return _iter_json_lines(path)
+    return _iter_json_lines(path, max_record_bytes)
 
 
 def is_plain_jsonl(path: str) -> bool:
@@ -343,14 +293,24 @@ def is_plain_jsonl(path: str) -> bool:
 
 def to_plain_jsonl(path: str, target: str) -> Iterator[tuple[int, int]]:
     """Copy any record source to ``target`` as plain JSON lines, one line per input line, row or array
-    element; yield ``(source line, bytes written)`` for each. Lines of JSON-lines sources are copied byte
-    for byte (a bad line stays bad, for the reader of ``target`` to report); rows are written as JSON."""
+    element; yield ``(source line, bytes written)`` for each. JSON-lines sources are copied byte for byte
+    in chunks, however long a line is (a bad line stays bad, for the reader of ``target`` to report; a
+    missing last line ending is added); rows are written as JSON."""
     path = str(path)
     with open(target, "wb") as out:
         if source_layout(path) == "lines":
-            for number, data in iter_lines(path):
-                out.write(data + b"\n")
-                yield number, len(data) + 1
+            number = size = 0  # size: bytes of the current line written so far
+            for chunk in iter_chunks(path):
+                out.write(chunk)
+                start = 0
+                while (end := chunk.find(b"\n", start)) >= 0:
+                    number += 1
+                    yield number, size + end + 1 - start
+                    size, start = 0, end + 1
+                size += len(chunk) - start
+            if size:
+                out.write(b"\n")
+                yield number + 1, size + 1
             return
         for number, item in iter_raw_records(path):
             if isinstance(item, BadLine):
@@ -364,9 +324,10 @@ def to_plain_jsonl(path: str, target: str) -> Iterator[tuple[int, int]]:
             yield number, len(data)
 
 
-def iter_jsonl(path: str) -> Iterator[tuple[int, dict]]:
-    """Yield ``(line_number, object)`` for each non-blank line; raise ``DataError`` on a malformed line."""
-    for number, item in _iter_json_lines(str(path)):
+def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[tuple[int, dict]]:
+    """Yield ``(line_number, object)`` for each non-blank line; raise ``DataError`` on a malformed line or
+    one of more than ``max_record_bytes``."""
+    for number, item in _iter_json_lines(str(path), max_record_bytes):
         if isinstance(item, BadLine):
             if item.category == BLANK_LINE:
                 continue
@@ -463,10 +424,10 @@ class _ShardRead:
 
 
 def _read_shard(path: str, kind: str | None, fmt: str, on_error: OnError, keep_bad: bool,
-                progress: bool) -> _ShardRead:
+                progress: bool, max_record_bytes: int) -> _ShardRead:
     report, records, bad = ReadReport(path=path, kind=kind), [], []
-    rows = progress_bar(iter_raw_records(path), desc=f"reading {PurePosixPath(path).name}", unit="rec",
-                        disable=not progress)
+    rows = progress_bar(iter_raw_records(path, max_record_bytes), desc=f"reading {PurePosixPath(path).name}",
+                        unit="rec", disable=not progress)
     for line, item in rows:
         if isinstance(item, BadLine) and item.category == BLANK_LINE:
             report.blank_lines += 1  # holds no record: not counted as read
@@ -505,6 +466,7 @@ def read_records(
     quarantine_path: str | None = None,
     progress: bool = True,
     split_across_ranks: bool = False,
+    max_record_bytes: int = MAX_RECORD_BYTES,
 ) -> tuple[list[Record], ReadReport]:
     """Read every record of ``path``; return the good ones and a ``ReadReport``.
 
@@ -516,8 +478,9 @@ def read_records(
     "reason", "raw"}`` and the read goes on; with ``quarantine_path=None`` they are only counted in the
     report. ``split_across_ranks`` (every rank calls it, under torchrun) reads rank r's share of the shards
     on rank r and exchanges the records, so every rank returns the same list; rank 0 alone writes the
-    quarantine file. The report's summary is logged at the end (``posttrain.data`` logger; a warning when
-    anything was quarantined).
+    quarantine file. A JSON line of more than ``max_record_bytes`` (``data.max_record_bytes``) is a bad
+    record, skipped to its end without being held. The report's summary is logged at the end
+    (``posttrain.data`` logger; a warning when anything was quarantined).
     """
     path = str(path)
     if kind is not None and kind not in RECORD_KINDS:
@@ -529,8 +492,9 @@ def read_records(
     report = ReadReport(path=path, quarantine_path=quarantine_path if on_error == "quarantine" else None, kind=kind)
     keep_bad = report.quarantine_path is not None
     with storage_errors(path):
-        parts = read_shards(path, lambda shard: _read_shard(shard, kind, fmt, on_error, keep_bad, progress),
-                            split_across_ranks)
+        parts = read_shards(
+            path, lambda shard: _read_shard(shard, kind, fmt, on_error, keep_bad, progress, max_record_bytes),
+            split_across_ranks)
     records: list[Record] = []
     bad: list[dict[str, Any]] = []
     for shard, part in parts:

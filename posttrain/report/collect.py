@@ -12,8 +12,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-import yaml
-
+from posttrain.config.loader import load_yaml
 from posttrain.data.io import BadLine, iter_raw_records
 
 MODEL_ORDER = ("base", "sft", "dpo", "grpo")  # a flywheel round's models in the order they are made
@@ -96,8 +95,9 @@ def training_run(run_dir: Path) -> dict[str, Any]:
     its curves and its alerts."""
     notes: list[str] = []
     config = {}
-    if (run_dir / "config.yaml").is_file():
-        config = yaml.safe_load((run_dir / "config.yaml").read_text(encoding="utf-8")) or {}
+    config_file = run_dir / "config.yaml"
+    if config_file.is_file():
+        config = load_yaml(config_file.read_text(encoding="utf-8"), str(config_file)) or {}
     finished = read_json(run_dir / "finished.json") or {}
     alerts = read_lines(run_dir / "alerts.jsonl", notes)
     series = training_series(run_dir, notes) or {"step": []}

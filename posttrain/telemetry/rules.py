@@ -15,6 +15,8 @@ from pathlib import Path
 
 import yaml
 
+from posttrain.config.loader import load_yaml
+
 HEADER = ("# Generated from alerts.yaml by `python -m posttrain.telemetry.rules deploy/prometheus/alerts.yaml "
           "deploy/prometheus/prometheusrule.yaml`:\n# edit alerts.yaml, then regenerate (tests/telemetry checks "
           "they agree).\n")
@@ -38,9 +40,9 @@ class _IndentedLists(yaml.SafeDumper):
         return super().increase_indent(flow, False)
 
 
-def render(alerts_yaml: str) -> str:
-    """The PrometheusRule file's text for the rules file's text."""
-    body = yaml.dump(prometheus_rule(yaml.safe_load(alerts_yaml)), Dumper=_IndentedLists, sort_keys=False,
+def render(alerts_yaml: str, source: str = "the rules file") -> str:
+    """The PrometheusRule file's text for the rules file's text (``source`` names it in errors)."""
+    body = yaml.dump(prometheus_rule(load_yaml(alerts_yaml, source)), Dumper=_IndentedLists, sort_keys=False,
                      width=120, allow_unicode=True)
     return HEADER + "---\n" + body
 
@@ -51,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         print(__doc__.strip().splitlines()[-3].strip(), file=sys.stderr)
         return 2
     source, target = map(Path, args)
-    target.write_text(render(source.read_text()))
+    target.write_text(render(source.read_text(), str(source)))
     return 0
 
 

@@ -39,7 +39,8 @@ from posttrain.train.stream import Difficulty
 def read_prompts(config: GRPORecipe, path: str, suffix: str) -> list[RLPrompt]:
     quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{suffix}.jsonl"
     records, report = read_records(path, kind="rl", fmt=config.data.format, on_error=config.data.on_error,
-                                   quarantine_path=quarantine, split_across_ranks=True)
+                                   quarantine_path=quarantine, split_across_ranks=True,
+                                   max_record_bytes=config.data.max_record_bytes)
     say(report.summary())
     report.check_usable("prompt set" if suffix == "" else "eval prompt set")
     return records  # type: ignore[return-value]

@@ -12,6 +12,7 @@ from posttrain import dist
 from posttrain.config.recipes import PretrainRecipe
 from posttrain.data.errors import DataError
 from posttrain.data.io import iter_jsonl, iter_text_lines
+from posttrain.data.lines import MAX_RECORD_BYTES
 from posttrain.data.packing import pack_examples
 from posttrain.data.records import stable_id
 from posttrain.data.shards import read_shards
@@ -30,23 +31,25 @@ from posttrain.train.runner import (
 from posttrain.train.sft import build_units, mean_loss_evaluator, sft_root, sft_source, sft_step_loss
 
 
-def _read_text_file(path: str) -> list[str]:
+def _read_text_file(path: str, max_record_bytes: int) -> list[str]:
     texts = []
     if path.removesuffix(".gz").endswith((".jsonl", ".json")):
-        for line_no, record in iter_jsonl(path):
+        for line_no, record in iter_jsonl(path, max_record_bytes):
             if not isinstance(record.get("text"), str):
                 raise DataError(path, line_no, "text", "expected a string field `text`")
             texts.append(record["text"])
     else:
-        texts.extend(line for _, line in iter_text_lines(path))
+        texts.extend(line for _, line in iter_text_lines(path, max_record_bytes))
     return texts
 
 
-def read_texts(path: str) -> list[str]:
+def read_texts(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> list[str]:
     """Documents from .txt files (one per non-empty line) or JSONL/JSON lines with a ``text`` field: one file
-    or a shard set (``posttrain.data.shards``), local or ``s3://…``, each rank reading its share of the shards."""
+    or a shard set (``posttrain.data.shards``), local or ``s3://…``, each rank reading its share of the shards.
+    A line of more than ``max_record_bytes`` stops the read with ``DataError`` naming it."""
     with storage_errors(path):
-        texts = [text for _, part in read_shards(path, _read_text_file, split_across_ranks=True) for text in part]
+        parts = read_shards(path, lambda shard: _read_text_file(shard, max_record_bytes), split_across_ranks=True)
+        texts = [text for _, part in parts for text in part]
     if not texts:
         raise DataError(path, None, None, "no documents")
     return texts
@@ -70,14 +73,15 @@ def run_pretrain(config: PretrainRecipe) -> int:
         geometry = batch_geometry(config)
         root, lm, tokenizer = build_policy(config, sft_root(config))
         pad_id = tokenizer.pad_token_id
-        texts = read_texts(config.data.train)
+        texts = read_texts(config.data.train, config.data.max_record_bytes)
         examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in texts]
         say(f"{config.data.train}: {len(examples)} documents; {sum(e.truncated for e in examples)} truncated")
         units = build_units(config, examples, pad_id)
         source = sft_source("pretrain", units, geometry, {}, pad_id, packing=True)
         settings = loop_settings(run, lm)
         if config.data.eval:
-            eval_examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in read_texts(config.data.eval)]
+            eval_texts = read_texts(config.data.eval, config.data.max_record_bytes)
+            eval_examples = [tokenize_text(t, tokenizer, config.train.max_length) for t in eval_texts]
             eval_units = pack_examples(eval_examples, config.train.max_length, pad_id)
             settings.evaluate = mean_loss_evaluator(eval_units, config.train.batch_size, pad_id, True,
                                                     config.train.precision, settings.sharded)

@@ -64,7 +64,7 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
     quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine,
-        split_across_ranks=True,
+        split_across_ranks=True, max_record_bytes=config.data.max_record_bytes,
     )
     say(report.summary())
     report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined

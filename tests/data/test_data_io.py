@@ -296,3 +296,44 @@ def test_a_lone_surrogate_in_a_json_array_is_bad_utf8_too(tmp_path):
     path.write_text('[{"prompt": "q", "completion": "\\ud800"}, {"prompt": "q", "completion": "\\ud83d\\ude00"}]')
     records, report = read_records(str(path), on_error="quarantine", progress=False)
     assert report.reasons == {INVALID_UTF8: 1} and records[0].messages[-1].content == "\U0001f600"
+
+
+# Lines that end exactly at, or straddle, a chunk boundary; the last without a line ending; blank and CRLF lines.
+SPLIT_CASES = [b"", b"\n", b"ab\ncd", b"ab\r\ncd\r\n", b"\n\nabc\n", b"abcdefgh\nx\n", b"a" * 20 + b"\nb\n" + b"c" * 9,
+               b"123456789\n12345678\n1234567890"]
+
+
+@pytest.mark.parametrize("data", SPLIT_CASES)
+@pytest.mark.parametrize("chunk", [1, 3, 8, 1 << 20])
+def test_split_lines_reads_in_chunks_and_bounds_each_line(monkeypatch, data, chunk):
+    import io
+
+    from posttrain.data import lines
+
+    monkeypatch.setattr(lines, "READ_CHUNK", chunk)
+    pieces = data.split(b"\n")
+    expected = pieces[:-1] + ([pieces[-1]] if pieces[-1] else [])  # what `for line in handle` gives, unterminated
+    got = list(lines.split_lines(io.BytesIO(data), max_bytes=9))
+    assert len(got) == len(expected)
+    for line, want in zip(got, expected, strict=True):
+        if len(want) > 9:
+            assert isinstance(line, lines.LineTooLong) and line.size == len(want)
+            assert len(line.head) > 9 and want.startswith(line.head)  # its start, to recognise it by
+        else:
+            assert line == want
+
+
+def test_to_plain_jsonl_copies_lines_of_any_length_and_keeps_line_numbers(tmp_path):
+    import gzip
+
+    from posttrain.data.io import to_plain_jsonl
+
+    source = tmp_path / "in.jsonl.gz"
+    lines = [b"\xef\xbb\xbf" + good(GOOD_SFT), b"", b'{"long": "' + b"z" * (3 << 20) + b'"}', good(GOOD_PAIR)]
+    source.write_bytes(gzip.compress(b"\n".join(lines)))  # no line ending after the last line
+    target = tmp_path / "out.jsonl"
+    sizes = list(to_plain_jsonl(str(source), str(target)))
+    copied = target.read_bytes()
+    assert copied == b"\n".join([lines[0][3:], *lines[1:]]) + b"\n"
+    assert [number for number, _ in sizes] == [1, 2, 3, 4]
+    assert [size for _, size in sizes] == [len(line) + 1 for line in copied.split(b"\n")[:-1]]
