@@ -128,8 +128,9 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
     evaluated = stage_eval(model, dev_suite, config, out, model_label, backend)
     results = json.loads(Path(evaluated["results"]).read_text())
     failed = [row for row in results["items"] if not row["passed"] and (spec.groups is None or row["group"] in spec.groups)]
-    # An empty answer has nothing for an annotator to compare; it is counted, not captured.
-    failures = [row for row in failed if (row["output"] or "").strip()]
+    # An empty answer has nothing for an annotator to compare; it is counted, not captured. "Empty" is the
+    # service's own rule (invisible characters only, or text it cannot store), which would refuse the case.
+    failures = [row for row in failed if _storable(row["output"] or "")]
     source = f"flywheel/round{round_index - 1}/dev"
     greedy_settings = {"temperature": 0.0, "max_new_tokens": config.eval.max_new_tokens}
     sampled_settings = {"temperature": spec.temperature, "max_new_tokens": spec.max_new_tokens,
@@ -153,7 +154,7 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                 }  # fmt: skip
                 created = _check(client.post("/api/edge-cases", json=case), "an edge case")
                 counts["captured" if created["created"] else "already_captured"] += 1
-                texts = list(dict.fromkeys(s.text for s in samples if s.text.strip() and s.text != row["output"]))
+                texts = list(dict.fromkeys(s.text for s in samples if _storable(s.text) and s.text != row["output"]))
                 if texts:
                     body = {"responses": [{"text": t, "model_id": model_label, "sampling": sampled_settings}
                                           for t in texts]}
@@ -164,6 +165,13 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
             "dev_passed": results["counts"]["passed"], "failures": len(failures), "failures_by_group": dict(groups),
             "empty_failures": len(failed) - len(failures),
             **counts}  # fmt: skip
+
+
+def _storable(text: str) -> bool:
+    """Whether the feedback service stores ``text`` as a response (``posttrain.serve.text``'s rules)."""
+    from posttrain.serve.text import is_blank, text_problem
+
+    return not is_blank(text) and text_problem(text) is None
 
 
 def _short(text: str, limit: int = 60) -> str:

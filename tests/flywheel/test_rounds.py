@@ -124,3 +124,12 @@ def test_the_scripted_annotator_names_what_each_answer_gives():
     assert verifier_vote(NUMERIC, "42", "42.0")[0] == "tie"
     choice, reason = verifier_vote(NUMERIC, "7", "8")
     assert choice == "both_bad" and "neither passes" in reason
+
+
+def test_a_failure_the_service_would_refuse_is_counted_as_empty_not_posted():
+    """The capture posts only what the feedback service stores: an answer of invisible characters (a zero-width
+    space, a BOM) or with a NUL would make the service refuse the case and stop the round."""
+    from posttrain.flywheel.feedback_loop import _storable
+
+    assert [_storable(text) for text in ("42", " 42 ", "", "  \n", "\u200b", "\ufeff\u200d", "4\x002")] == [
+        True, True, False, False, False, False, False]
