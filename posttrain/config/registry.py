@@ -7,6 +7,7 @@ any recipe file without being told which command it is for.
 from __future__ import annotations
 
 import importlib
+import sys
 from dataclasses import dataclass
 
 from pydantic import BaseModel
@@ -55,3 +56,8 @@ def run_recipe(name: str, config: BaseModel) -> int:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        # The run is over: its output_dir lock and S3 lease go now, not at exit — a distributed rank leaves through
+        # os._exit (no atexit), and in-process callers (the flywheel, tests) start other runs afterwards.
+        lock = sys.modules.get("posttrain.store.lock")
+        if lock is not None:
+            lock.release_held()
