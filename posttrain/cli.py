@@ -65,6 +65,9 @@ BAD_INPUT_ERRORS = (
     ("posttrain.serve.db", "FeedbackDBError"),
     ("posttrain.report.detect", "NotARunDirectory"),
     ("posttrain.flywheel.stages", "StageInputError"),
+    ("posttrain.store.lock", "RunDirError"),
+    ("posttrain.store.manifest", "ManifestError"),
+    ("posttrain.store.manifest", "CheckpointSignatureError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))
@@ -103,6 +106,10 @@ def _add_recipe_commands(subparsers: argparse._SubParsersAction) -> None:
         )
         parser.add_argument("--config", help=f"{CONFIG_HELP}; may be omitted when overrides give every required key")
         parser.add_argument("overrides", nargs="*", metavar="key=value", help="dotted overrides, e.g. train.lr=3e-4")
+        if "train" in spec.schema.model_fields:
+            parser.add_argument("--force-resume", action="store_true",
+                                help="resume even from a checkpoint whose run identity cannot be read "
+                                "(train.resume=force); its files are still checked against the manifest")
         parser.set_defaults(func=_run_recipe_command, recipe_name=name)
 
 
@@ -111,7 +118,8 @@ def _run_recipe_command(args: argparse.Namespace) -> int:
     from posttrain.config.registry import RECIPES, run_recipe
 
     name = args.recipe_name
-    overrides = [*args.overrides, f"recipe={name}"]
+    overrides = [*args.overrides, f"recipe={name}"] + (["train.resume=force"] if getattr(args, "force_resume", False)
+                                                        else [])
     config = load_config(RECIPES[name].schema, args.config, overrides)
     return run_recipe(name, config)
 

@@ -89,6 +89,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     extras.add_argument("--s3-secret", default="posttrain-s3",
                         help="Secret with AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and optional AWS_ENDPOINT_URL, "
                         "AWS_DEFAULT_REGION (default posttrain-s3; '' for none, e.g. with IRSA)")
+    extras.add_argument("--signing-secret", default="", metavar="NAME",
+                        help="Secret whose key `signing-key` signs checkpoint manifests: the pods get it as "
+                        "$POSTTRAIN_SIGNING_KEY and the command says store.signing_key=env:POSTTRAIN_SIGNING_KEY "
+                        "(required when the recipe sets store.signing_key; docs/security.md)")
     extras.add_argument("--metrics-port", type=int, default=DEFAULT_METRICS_PORT,
                         help=f"port of /metrics: metrics.prometheus_port in the command, the container port and "
                         f"the PodMonitor's (default {DEFAULT_METRICS_PORT})")
@@ -113,6 +117,7 @@ def options_from_args(args: argparse.Namespace):
         spot_workers=args.spot_workers, min_nodes=args.min_nodes, kind=args.kind, runtime_kind=args.runtime_kind,
         name=args.name, namespace=args.namespace, image=args.image, spot_selectors=selectors,
         grace_period_s=args.grace_period_s, from_run=args.from_run, s3_secret=args.s3_secret,
+        signing_secret=args.signing_secret,
         output_dir=args.output_dir, cpu=args.cpu, memory=args.memory, shm_size=args.shm_size,
         metrics_port=args.metrics_port, max_restarts=args.max_restarts, backoff_limit=args.backoff_limit,
         podmonitor=args.podmonitor, plan=args.plan)

@@ -107,10 +107,12 @@ class TrainConfig(StrictModel):
     max_grad_norm: float | None = Field(default=1.0, gt=0)
     seed: int = 0
     save_every: int | None = Field(default=None, ge=1, description="Checkpoint every N optimizer steps.")
-    resume: Literal["auto", "never", "must"] = Field(
+    resume: Literal["auto", "never", "must", "force"] = Field(
         default="auto",
         description="auto: resume from the newest valid checkpoint in output_dir when there is one; must: refuse to "
-        "start without one; never: move the previous run into output_dir/previous-<time>/ and start from step 0.",
+        "start without one; never: move the previous run into output_dir/previous-<time>/ and start from step 0; "
+        "force (--force-resume): like auto, also from a checkpoint whose run identity cannot be read (its files "
+        "are still checked against the manifest).",
     )
     keep_last: int = Field(default=2, ge=1)
     eval_every: int | None = Field(
@@ -244,6 +246,20 @@ class StoreConfig(StrictModel):
         description="A store failing for this long stops the run: alert, exit 75 (resumable). Shorter outages "
         "are retried while training goes on.",
     )
+    signing_key: str | None = Field(
+        default=None,
+        description="Where the key that signs checkpoint manifests is: env:VAR (e.g. from a Kubernetes Secret) or "
+        "file:/path (a mounted Secret); never the key itself. Every manifest written gets an HMAC-SHA256, and a "
+        "resume refuses (exit 2) a manifest without a valid one. Local and remote output_dir alike.",
+    )
+
+    @field_validator("signing_key")
+    @classmethod
+    def _key_location(cls, value: str | None) -> str | None:
+        if value is not None and not (value.startswith(("env:", "file:")) and len(value.split(":", 1)[1]) > 0):
+            raise ValueError("give where the key is, env:VAR or file:/path; a key written into the config would be "
+                             "copied into config.yaml and every tracker")
+        return value
 
 
 class DebugConfig(StrictModel):

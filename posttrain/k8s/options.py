@@ -79,6 +79,7 @@ class RenderOptions:
     grace_period_s: int = DEFAULT_GRACE_PERIOD_S
     from_run: str | None = None
     s3_secret: str = "posttrain-s3"
+    signing_secret: str = ""  # a Secret whose key `signing-key` signs checkpoint manifests (store.signing_key)
     output_dir: str | None = None
     cpu: str = "8"
     memory: str = "64Gi"

@@ -96,8 +96,19 @@ def s3_env(secret: str) -> list[dict]:
             ref("AWS_DEFAULT_REGION", optional=True)]
 
 
+SIGNING_KEY_ENV = "POSTTRAIN_SIGNING_KEY"  # store.signing_key=env:POSTTRAIN_SIGNING_KEY in the pods' command
+SIGNING_SECRET_KEY = "signing-key"
+
+
+def signing_env(secret: str) -> list[dict]:
+    """The manifest-signing key from a Secret (``--signing-secret``), as the variable the command names."""
+    if not secret:
+        return []
+    return [{"name": SIGNING_KEY_ENV, "valueFrom": {"secretKeyRef": {"name": secret, "key": SIGNING_SECRET_KEY}}}]
+
+
 def worker_env(options: RenderOptions) -> list[dict]:
-    return [{"name": "PYTHONUNBUFFERED", "value": "1"}, *s3_env(options.s3_secret)]
+    return [{"name": "PYTHONUNBUFFERED", "value": "1"}, *s3_env(options.s3_secret), *signing_env(options.signing_secret)]
 
 
 def resources(options: RenderOptions) -> dict:

@@ -20,6 +20,7 @@ from posttrain import __version__
 from posttrain.k8s.coordinator import coordinator_deployment, coordinator_service, rdzv_endpoint
 from posttrain.k8s.monitoring import pod_monitor
 from posttrain.k8s.options import (
+    RenderError,
     RenderOptions,
     check_options,
     grace_period_from_run,
@@ -27,7 +28,14 @@ from posttrain.k8s.options import (
     measured_save_seconds,
     remote_output_dir,
 )
-from posttrain.k8s.pods import RECIPE_FILE, labels, metadata, worker_groups
+from posttrain.k8s.pods import (
+    RECIPE_FILE,
+    SIGNING_KEY_ENV,
+    SIGNING_SECRET_KEY,
+    labels,
+    metadata,
+    worker_groups,
+)
 from posttrain.k8s.pytorchjob import pytorch_job
 from posttrain.k8s.trainjob import runtime, train_job
 
@@ -55,6 +63,7 @@ def resolve(options: RenderOptions) -> Recipe:
     name, config = resolve_recipe(path, user)
     output_dir = remote_output_dir(options, str(config.output_dir))
     extra = [f"output_dir={output_dir}"]
+    extra += signing_overrides(options, config)
     if any(key.key == PROMETHEUS_PORT_KEY for key in config_keys(RECIPES[name].schema)):
         extra.append(f"{PROMETHEUS_PORT_KEY}={options.metrics_port}")
     else:  # recipes without the Prometheus exporter: the PodMonitor finds nothing to scrape
@@ -62,6 +71,23 @@ def resolve(options: RenderOptions) -> Recipe:
               "/metrics", file=sys.stderr)
     resolve_recipe(path, [*user, *extra])
     return Recipe(name, path.read_text(encoding="utf-8"), (*user, *extra), output_dir)
+
+
+def signing_overrides(options: RenderOptions, config) -> list[str]:
+    """``store.signing_key`` as the pods will have it: the variable ``--signing-secret`` fills. A recipe that
+    signs its manifests with a key the pods would not have is refused here, not at the first checkpoint."""
+    store = getattr(config, "store", None)
+    wanted = getattr(store, "signing_key", None)
+    if options.signing_secret:
+        if store is None:
+            raise RenderError(f"--signing-secret: the `{config.recipe}` recipe writes no checkpoints to sign")
+        return [f"store.signing_key=env:{SIGNING_KEY_ENV}"]
+    if wanted:
+        raise RenderError(f"the recipe signs checkpoint manifests (store.signing_key={wanted}), which the pods would "
+                          f"not have: give --signing-secret NAME, a Secret with the key `{SIGNING_SECRET_KEY}` "
+                          f"(kubectl create secret generic NAME --from-literal={SIGNING_SECRET_KEY}=$(openssl rand "
+                          "-hex 32)); the pods get it as $" + SIGNING_KEY_ENV)
+    return []
 
 
 def launch_command(options: RenderOptions, job: str, recipe: Recipe) -> list[str]:

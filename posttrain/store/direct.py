@@ -29,7 +29,14 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from posttrain import dist
 from posttrain.store.run_store import CHECKPOINTS, MANIFEST, MAX_BACKOFF_S, RunStore, StoreUnavailable
-from posttrain.train.checkpoint import TRAINER_STATE, _only, build_manifest, rng_state, trainable_keys
+from posttrain.train.checkpoint import (
+    TRAINER_STATE,
+    _only,
+    build_manifest,
+    rng_file_name,
+    rng_state_bytes,
+    trainable_keys,
+)
 
 
 class _CountingStream(io.RawIOBase):
@@ -124,7 +131,7 @@ def save_direct(store: RunStore, step: int, model: torch.nn.Module, optimizer: t
     model_sd, optim_sd = get_state_dict(model, optimizer)
     writer = _dcp_save_with_retries(store, base, {"model": _only(model_sd, trainable), "optim": optim_sd})
     mine = dict(writer.written)
-    blobs = {f"rng-rank{dist.rank()}.pt": _torch_bytes(rng_state())}
+    blobs = {rng_file_name(dist.rank()): rng_state_bytes()}
     if dist.is_main():
         blobs[TRAINER_STATE] = json.dumps(trainer_state, sort_keys=True).encode()
     for name, data in blobs.items():
@@ -184,7 +191,7 @@ def _verify_and_commit(store: RunStore, base: str, step: int, identity: dict[str
         stored = store.size(f"{base}/{name}")
         if stored != size:
             return f"{name}: the store holds {stored if stored is not None else 'nothing'} of {size} bytes"
-    manifest = build_manifest(step, identity, files, trainable)
+    manifest = build_manifest(step, identity, files, trainable, store.trust.key)
     store.write_bytes(f"{base}/{MANIFEST}", json.dumps(manifest, indent=1, sort_keys=True).encode())
     return ""
 
@@ -221,9 +228,3 @@ class DirectSaver:
             self.alert("checkpoint_uploaded", step=step, seconds=round(seconds, 3), store=self.store.url,
                        echo=False)
         return True
-
-
-def _torch_bytes(obj) -> bytes:
-    buffer = io.BytesIO()
-    torch.save(obj, buffer)
-    return buffer.getvalue()

@@ -6,9 +6,11 @@ to 30 s — until it succeeds or the store has been failing for ``store.max_outa
 ``StoreUnavailable`` is raised. Callers decide what that means (the uploader: alert and exit 75).
 
 Checkpoint validity on a store without atomic rename is the manifest: ``manifest.json`` is written last and
-lists every file with its sha256 and size. A step directory without a manifest, or with a file missing or
-of the wrong size, is not a checkpoint; a fetched file whose sha256 differs makes the checkpoint invalid
-too, and the next older one is tried.
+lists every file with its sha256 and size. A step directory without a manifest, with a malformed one, with a
+file missing, of the wrong size or not listed, is not a checkpoint; a fetched file whose sha256 differs makes
+the checkpoint invalid too, and the next older one is tried. Names from a manifest are checked to stay
+inside the step directory before anything is written (``posttrain.store.manifest``), and with
+``store.signing_key`` a manifest without its signature stops the run.
 """
 
 from __future__ import annotations
@@ -26,9 +28,17 @@ from typing import Any
 
 from posttrain.cache import cache_dir
 from posttrain.data.storage import filesystem, is_remote, protocol_of, sha256_file
+from posttrain.store.manifest import (
+    MANIFEST,
+    UNSIGNED,
+    UPLOAD_MARKER_PREFIX,
+    CheckpointTrust,
+    ManifestError,
+    member_path,
+    parse_manifest,
+)
 
 CHECKPOINTS = "checkpoints"
-MANIFEST = "manifest.json"
 # What comes down at start (small) — the logs continue where the remote ones end, cut to the resume step.
 # Logs go up with each committed checkpoint; at start they come down with the other small files.
 LOGS = ("metrics.jsonl", "alerts.jsonl", "units.jsonl", "config.yaml")
@@ -78,8 +88,11 @@ class RunStore:
     """A run's directory at ``url``; ``local`` is where the run writes (the same directory when local)."""
 
     def __init__(self, url: str, local_dir: str | Path | None = None, backoff_s: float = 1.0,
-                 max_outage_s: float = 600.0, on_retry: Callable[[str, BaseException], None] | None = None):
+                 max_outage_s: float = 600.0, on_retry: Callable[[str, BaseException], None] | None = None,
+                 trust: CheckpointTrust = UNSIGNED):
         self.url = str(url).rstrip("/")
+        self.trust = trust  # what a checkpoint is checked against: store.signing_key, train.max_steps
+        self.skipped: list[tuple[str, str]] = []  # checkpoints passed over at the last fetch_latest, and why
         self.remote = is_remote(self.url)
         self.backoff_s, self.max_outage_s = backoff_s, max_outage_s
         self.on_retry = on_retry
@@ -229,36 +242,56 @@ class RunStore:
         data = self.read_bytes(f"{base}/{MANIFEST}")
         if data is None:
             return None, "no manifest (the upload did not finish)"
-        try:
-            manifest = json.loads(data)
-        except json.JSONDecodeError:
-            return None, "manifest unreadable"
-        sizes = manifest.get("sizes", {})
-        for name in manifest.get("files", {}):
+        try:  # a signature problem is raised: the store holds checkpoints this run's key did not sign
+            manifest = parse_manifest(data, key=self.trust.key, step=step, where=f"{self.url}/{base}")
+        except ManifestError as exc:
+            return None, str(exc)
+        files, sizes = manifest["files"], manifest.get("sizes", {})
+        unsized = sorted(set(files) - set(sizes))
+        if unsized:  # a remote checkpoint's sizes bound what a resume downloads
+            return None, f"manifest gives no size for {unsized[0]}"
+        # Only top-level files: posttrain's checkpoints have no subdirectories, so any other entry is foreign.
+        unlisted = [name for name in self.listdir(base)
+                    if name != MANIFEST and not name.startswith(UPLOAD_MARKER_PREFIX) and name not in files]
+        if unlisted:
+            return None, f"file {unlisted[0]} is not in the manifest"
+        for name in files:
             stored = self.size(f"{base}/{name}")
             if stored is None:
                 return None, f"file {name} missing"
-            if name in sizes and stored != sizes[name]:
+            if stored != sizes[name]:
                 return None, f"file {name} has {stored} of {sizes[name]} bytes"
         return manifest, ""
 
     def fetch_checkpoint(self, step: int, manifest: dict[str, Any]) -> Path:
         """Download step ``step`` into ``local/checkpoints/step-N`` (files already there with the right sha256
-        are kept), verify every sha256, write the manifest last; raise ``ValueError`` on a mismatch."""
+        are kept), verify every size and sha256 and the small files a load reads first, write the manifest last;
+        raise ``ValueError`` (``ManifestError``) when anything does not match. ``manifest`` comes from
+        ``manifest()``: its names were checked, and every target is checked again to stay in the mirror."""
+        from posttrain.train.checkpoint import check_small_files  # the train side of the same checks
+
         root = self.local / CHECKPOINTS
         final, staging = root / f"step-{step:06d}", root / f"step-{step:06d}.tmp"
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        for name, expected in manifest["files"].items():
-            target, cached = staging / name, final / name
-            if cached.is_file() and sha256_file(cached) == expected:
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(cached, target)
-                continue
-            self.get_file(f"{CHECKPOINTS}/step-{step:06d}/{name}", target)
-            if sha256_file(target) != expected:
-                shutil.rmtree(staging, ignore_errors=True)
-                raise ValueError(f"checksum mismatch in {name}")
+        sizes = manifest.get("sizes", {})
+        try:
+            targets = {name: (member_path(staging, name), member_path(final, name)) for name in manifest["files"]}
+            for name, expected in manifest["files"].items():
+                target, cached = targets[name]
+                if cached.is_file() and not cached.is_symlink() and sha256_file(cached) == expected:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(cached, target)
+                    continue
+                self.get_file(f"{CHECKPOINTS}/step-{step:06d}/{name}", target)
+                if name in sizes and target.stat().st_size != sizes[name]:
+                    raise ManifestError(f"file {name} came down with {target.stat().st_size} of {sizes[name]} bytes")
+                if sha256_file(target) != expected:
+                    raise ManifestError(f"checksum mismatch in {name}")
+            check_small_files(staging, manifest, step, self.trust.max_step)
+        except ManifestError:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, sort_keys=True))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(staging, final)
@@ -278,6 +311,7 @@ class RunStore:
         """Fetch the newest valid checkpoint into the mirror (an invalid one is reported and skipped) and drop
         every other local checkpoint. Returns its ``(step, manifest)``, or None when the store holds none."""
         fetched = None
+        self.skipped = []
         for step in self.checkpoint_steps():
             manifest, problem = self.manifest(step)
             if manifest is not None:
@@ -287,7 +321,9 @@ class RunStore:
                     break
                 except ValueError as exc:
                     problem = str(exc)
-            warnings.warn(f"skipping checkpoint {self.url}/{CHECKPOINTS}/step-{step:06d}: {problem}", stacklevel=2)
+            where = f"{self.url}/{CHECKPOINTS}/step-{step:06d}"
+            warnings.warn(f"skipping checkpoint {where}: {problem}", stacklevel=2)
+            self.skipped.append((where, problem))
         root = self.local / CHECKPOINTS
         if root.exists():
             for child in root.iterdir():
@@ -315,7 +351,8 @@ class RunStore:
 
     def move_previous(self) -> str | None:
         """``train.resume=never`` on a remote store: move the previous run under ``previous-<UTC time>/``."""
-        present = [name for name in self.listdir("") if not name.startswith("previous-")]
+        # The run's lease (posttrain.store.lock) stays: it is this run's, held while it moves the old one aside.
+        present = [name for name in self.listdir("") if not name.startswith(("previous-", ".posttrain-"))]
         if not present:
             return None
         target = time.strftime("previous-%Y%m%dT%H%M%SZ", time.gmtime())

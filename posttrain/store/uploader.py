@@ -2,7 +2,7 @@
 
 The loop saves a checkpoint to local disk (DCP at disk speed, the step blocks only for that) and hands it
 to ``CheckpointUploader.submit``; a thread on every rank uploads the files that rank wrote (its DCP shards
-``__<rank>_*.distcp`` and ``rng-rank<rank>.pt``; rank 0 also ``.metadata`` and ``trainer.json``), checks
+``__<rank>_*.distcp`` and ``rng-rank<rank>.json``; rank 0 also ``.metadata`` and ``trainer.json``), checks
 each one's size in the store, and leaves a marker ``.uploaded-rank<r>-<attempt>``. Rank 0 waits for every
 rank's marker, removes the markers, then writes ``manifest.json`` — the commit —, prunes old checkpoints
 and uploads the logs. No collective runs in the thread, so training goes on while it uploads; a new save

@@ -6,10 +6,14 @@ Layout of ``<output_dir>/checkpoints/step-000120/``:
 - ``trainer.json`` (rank 0): everything else a bit-exact resume needs — the loop's step counters, the
   health history, the skip set, and the step source's state (data position, BCO's shift, a sampler's
   pass rates). It is the same on every rank, so one copy serves any number of ranks.
-- ``rng-rank{r}.pt``: each rank's RNG states.
+- ``rng-rank{r}.json``: each rank's RNG states (``.pt`` in checkpoints of earlier versions).
 - ``manifest.json``: written **last**, by rank 0, after every rank has fsynced and hashed the files it
   wrote: step, world size, the run's identity (``posttrain.train.identity``) and a sha256 and size per
-  file. A checkpoint without a manifest, or whose files do not match it, is incomplete.
+  file; with ``store.signing_key``, an HMAC over all of it. A checkpoint without a manifest, or whose
+  directory holds other files than it lists, or other bytes, is incomplete.
+
+Loading trusts nothing in the directory but what the manifest vouches for, and runs no code from it
+(``posttrain.store.manifest``, ``posttrain.train.checkpoint_safety``; docs/security.md).
 
 A checkpoint is written to ``step-N.tmp`` and renamed into place after the manifest, so a reader
 never sees a half-written directory under its final name; the manifest check also covers stores
@@ -40,6 +44,7 @@ import random
 import re
 import shutil
 import warnings
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,9 +63,27 @@ from torch.distributed.checkpoint.state_dict import (
 
 from posttrain import dist
 from posttrain.data.storage import sha256_file
+from posttrain.store.manifest import (
+    MANIFEST,
+    UNSIGNED,
+    CheckpointTrust,
+    ManifestError,
+    read_manifest,
+    sign_manifest,
+    verify_files,
+)
+from posttrain.train.checkpoint_safety import (
+    SafeFileSystemReader,
+    WeightsOnlyLoadPlanner,
+    check_trainer_state,
+    load_legacy_rng,
+    read_dcp_metadata,
+    rng_state_from_json,
+    rng_state_json,
+)
 
-MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer.json"
+DCP_METADATA = ".metadata"
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -110,43 +133,74 @@ def _step_dirs(root: Path) -> list[tuple[int, Path]]:
     found = []
     if root.exists():
         for child in root.iterdir():
-            if child.is_dir() and child.name.startswith("step-") and not child.name.endswith(".tmp"):
-                try:
-                    found.append((int(child.name.removeprefix("step-")), child))
-                except ValueError:
-                    continue
+            # A symlinked step directory is not one posttrain wrote (it could lead anywhere): not a checkpoint.
+            if child.is_dir() and not child.is_symlink() and re.fullmatch(r"step-\d+", child.name):
+                found.append((int(child.name.removeprefix("step-")), child))
     return sorted(found, reverse=True)
 
 
-def verify_checkpoint(path: Path) -> str | None:
-    """Return why ``path`` is not a complete checkpoint, or None when it is."""
-    manifest_path = path / MANIFEST
-    if not manifest_path.exists():
-        return "manifest missing (the save did not finish)"
+def read_trainer_state(path: Path, step: int, max_step: int | None) -> dict[str, Any]:
+    """``trainer.json`` of the checkpoint at ``path``, its counters checked (``ManifestError`` otherwise)."""
     try:
-        manifest = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError:
-        return "manifest unreadable"
-    for name, expected in manifest.get("files", {}).items():
-        file = path / name
-        if not file.exists():
-            return f"file {name} missing"
-        if sha256_file(file) != expected:
-            return f"checksum mismatch in {name}"
-    return None
+        state = json.loads((path / TRAINER_STATE).read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{TRAINER_STATE} unreadable ({type(exc).__name__})") from None
+    return check_trainer_state(state, step, max_step)
 
 
-def latest_valid_checkpoint(root: Path) -> CheckpointInfo | None:
-    """The newest complete checkpoint under ``root``; incomplete or corrupt ones are skipped with a warning.
+def checked_manifest(path: Path, step: int, trust: CheckpointTrust = UNSIGNED
+                     ) -> tuple[dict[str, Any] | None, str]:
+    """``(manifest, "")`` when ``path`` is a complete checkpoint of ``step`` that may be trusted, else
+    ``(None, why)``. A signature problem raises ``CheckpointSignatureError`` instead: it is not a damaged
+    checkpoint to skip but a store that someone else writes."""
+    try:
+        manifest = read_manifest(path, key=trust.key, step=step)
+        problem = verify_files(path, manifest)
+        if problem is None:
+            check_small_files(path, manifest, step, trust.max_step)
+    except ManifestError as exc:
+        return None, str(exc)
+    return (manifest, "") if problem is None else (None, problem)
+
+
+def check_small_files(path: Path, manifest: dict[str, Any], step: int, max_step: int | None) -> None:
+    """Read what a load reads before the weights — DCP's metadata, the RNG states, ``trainer.json`` — through
+    the checks of ``checkpoint_safety``, so a planted one makes the checkpoint invalid before loading starts."""
+    files = manifest["files"]
+    if DCP_METADATA not in files:
+        raise ManifestError(f"manifest lists no {DCP_METADATA}")
+    read_dcp_metadata((path / DCP_METADATA).read_bytes(), manifest)
+    if TRAINER_STATE not in files:
+        raise ManifestError(f"manifest lists no {TRAINER_STATE}")
+    read_trainer_state(path, step, max_step)
+    info = CheckpointInfo(path, step, manifest)
+    for name in files:
+        match = re.fullmatch(r"rng-rank(\d+)\.(?:json|pt)", name)
+        if match:
+            read_rng_state(info, int(match.group(1)))
+
+
+def verify_checkpoint(path: Path, trust: CheckpointTrust = UNSIGNED) -> str | None:
+    """Return why ``path`` is not a complete checkpoint, or None when it is."""
+    match = re.fullmatch(r"step-(\d+)", path.name)
+    return checked_manifest(path, int(match.group(1)) if match else -1, trust)[1] or None
+
+
+def latest_valid_checkpoint(root: Path, trust: CheckpointTrust = UNSIGNED,
+                            skipped: Callable[[str, str], None] | None = None) -> CheckpointInfo | None:
+    """The newest complete checkpoint under ``root``; incomplete, corrupt or untrustworthy ones are skipped
+    with a warning (and ``skipped(where, why)``, which the runner turns into an alert).
 
     Whether this run may resume it is ``posttrain.train.identity.plan_resume``'s decision.
     """
     for step, path in _step_dirs(root):
-        problem = verify_checkpoint(path)
-        if problem:
+        manifest, problem = checked_manifest(path, step, trust)
+        if manifest is None:
             warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
+            if skipped is not None:
+                skipped(str(path), problem)
             continue
-        return CheckpointInfo(path, step, json.loads((path / MANIFEST).read_text()))
+        return CheckpointInfo(path, step, manifest)
     return None
 
 
@@ -214,8 +268,8 @@ def _only(state: dict[str, Any], keys: set[str] | None) -> dict[str, Any]:
 
 def owner(name: str) -> int:
     """The rank that writes checkpoint file ``name``: DCP names shards ``__<rank>_<n>.distcp``, each rank its
-    ``rng-rank<r>.pt``; rank 0 writes the rest (``.metadata``, ``trainer.json``, the manifest)."""
-    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name) or re.fullmatch(r"rng-rank(\d+)\.pt", name)
+    ``rng-rank<r>.json``; rank 0 writes the rest (``.metadata``, ``trainer.json``, the manifest)."""
+    match = re.fullmatch(r"__(\d+)_\d+\.distcp", name) or re.fullmatch(r"rng-rank(\d+)\.(?:json|pt)", name)
     return int(match.group(1)) if match else 0
 
 
@@ -238,16 +292,26 @@ def _own_files(staging: Path) -> dict[str, tuple[str, int]]:
     return mine
 
 
+def rng_file_name(rank: int) -> str:
+    return f"rng-rank{rank}.json"
+
+
+def rng_state_bytes() -> bytes:
+    """This process's RNG states as the JSON a checkpoint holds (no pickle: see checkpoint_safety)."""
+    return json.dumps(rng_state_json(rng_state()), sort_keys=True).encode()
+
+
 def build_manifest(step: int, identity: dict[str, Any], files: dict[str, tuple[str, int]],
-                   trainable: set[str] | None) -> dict[str, Any]:
-    """The commit record of a checkpoint: ``files`` maps every file of every rank to ``(sha256, size)``."""
+                   trainable: set[str] | None, key: bytes | None = None) -> dict[str, Any]:
+    """The commit record of a checkpoint: ``files`` maps every file of every rank to ``(sha256, size)``;
+    signed with ``key`` (``store.signing_key``) when there is one."""
     manifest = {"step": step, "world_size": dist.world_size(), "identity": identity,
                 "identity_hash": identity_hash(identity),
                 "files": {name: sha for name, (sha, _) in sorted(files.items())},
                 "sizes": {name: size for name, (_, size) in sorted(files.items())}}
     if trainable is not None:
         manifest["weights"] = "trainable"
-    return manifest
+    return sign_manifest(manifest, key)
 
 
 def save_checkpoint(
@@ -259,6 +323,7 @@ def save_checkpoint(
     identity: dict[str, Any],
     keep_last: int,
     per_node_dir: bool = False,
+    signing_key: bytes | None = None,
 ) -> SavedCheckpoint:
     """Save a sharded checkpoint for ``step`` (a collective: every rank must call it).
 
@@ -287,7 +352,7 @@ def save_checkpoint(
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(staging), no_dist=not dist.initialized())
         if dist.is_main():
             (staging / TRAINER_STATE).write_text(json.dumps(trainer_state, sort_keys=True))
-        torch.save(rng_state(), staging / f"rng-rank{dist.rank()}.pt")
+        (staging / rng_file_name(dist.rank())).write_bytes(rng_state_bytes())
         dist.barrier()
         mine = _own_files(staging)
     except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must learn of any failure first
@@ -310,7 +375,7 @@ def save_checkpoint(
     everyone = dist.gather_objects(mine)
     if dist.is_main():
         manifest = build_manifest(step, identity, {name: entry for files in everyone for name, entry in files.items()},
-                                  trainable)
+                                  trainable, signing_key)
         try:
             with open(staging / MANIFEST, "w") as handle:
                 json.dump(manifest, handle, indent=1, sort_keys=True)
@@ -340,10 +405,11 @@ def identity_hash(identity: dict[str, Any]) -> str:
 
 
 def load_checkpoint(
-    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer
+    info: CheckpointInfo, model: torch.nn.Module, optimizer: torch.optim.Optimizer, max_step: int | None = None
 ) -> dict[str, Any]:
     """Restore model, optimizer and this rank's RNG (resharding when the rank count changed); return the
-    trainer state."""
+    trainer state. ``info``'s files were verified against its manifest; nothing in them runs code
+    (``posttrain.train.checkpoint_safety``)."""
     saved_world = int(info.manifest.get("world_size", 1))
     world, rank = dist.world_size(), dist.rank()
     if saved_world != world and dist.is_main():
@@ -355,15 +421,46 @@ def load_checkpoint(
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": _only(model_sd, trainable), "optim": optim_sd}
     with _quiet_single_process():
-        dcp.load(state, checkpoint_id=str(info.path), no_dist=not dist.initialized())
+        try:
+            dcp.load(state, storage_reader=SafeFileSystemReader(info.path, info.manifest),
+                     planner=WeightsOnlyLoadPlanner(), no_dist=not dist.initialized())
+        except CheckpointException as exc:  # DCP wraps each rank's failure; a refused item is the user's news
+            refused = _first_manifest_error(exc)
+            if refused is None:
+                raise
+            raise refused from None
     # With frozen weights the state holds the trainable ones only; the rest stay as model.path loaded them.
     loaded = set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                             options=StateDictOptions(strict=trainable is None))
     if trainable is not None and loaded.unexpected_keys:
         raise RuntimeError(f"checkpoint {info.path.name}: unexpected weights {loaded.unexpected_keys[:3]}")
-    rng_file = info.path / f"rng-rank{rank if rank < saved_world else rank % saved_world}.pt"
-    set_rng_state(torch.load(rng_file, weights_only=False))
-    return json.loads((info.path / TRAINER_STATE).read_text())
+    set_rng_state(read_rng_state(info, rank if rank < saved_world else rank % saved_world))
+    return read_trainer_state(info.path, info.step, max_step)
+
+
+def _first_manifest_error(exc: BaseException) -> ManifestError | None:
+    """The ``ManifestError`` among the per-rank failures DCP wrapped in ``exc``, if any."""
+    for failure in getattr(exc, "failures", {}).values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        while error is not None and not isinstance(error, ManifestError):
+            error = error.__cause__ or error.__context__
+        if error is not None:
+            return error
+    return None
+
+
+def read_rng_state(info: CheckpointInfo, rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s RNG states from checkpoint ``info``: the JSON file, or an earlier version's ``.pt``."""
+    files = info.manifest["files"]
+    if rng_file_name(rank) in files:
+        try:
+            data = json.loads((info.path / rng_file_name(rank)).read_bytes())
+        except ValueError as exc:
+            raise ManifestError(f"{rng_file_name(rank)} unreadable ({type(exc).__name__})") from None
+        return rng_state_from_json(data)
+    if f"rng-rank{rank}.pt" in files:
+        return load_legacy_rng(info.path / f"rng-rank{rank}.pt")
+    raise ManifestError(f"checkpoint {info.path.name} holds no RNG state for rank {rank}")
 
 
 def full_model_state_dict(model: torch.nn.Module, trainable_only: bool = False) -> dict[str, torch.Tensor]:

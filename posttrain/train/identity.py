@@ -28,7 +28,14 @@ read) decides:
   again;
 - ``train.resume``: ``auto`` (the default) resumes from the newest valid checkpoint when there is one;
   ``must`` refuses to start without one; ``never`` moves the previous run's files into
-  ``previous-<UTC time>/`` (nothing is deleted) and starts from step 0.
+  ``previous-<UTC time>/`` (nothing is deleted) and starts from step 0;
+- a checkpoint or ``finished.json`` whose identity cannot be read (missing, garbled, not an object) →
+  **refuse**: nothing says it is this run's. ``train.resume=force`` (``--force-resume``) resumes it anyway,
+  with a warning; its files are still checked against the manifest.
+
+Which checkpoint is "valid" is ``posttrain.train.checkpoint.latest_valid_checkpoint``'s rule, with the run's
+``CheckpointTrust`` (``store.signing_key``, ``train.max_steps``); each one passed over is reported to
+``skipped`` (the runner raises a ``checkpoint_skipped`` alert for it).
 """
 
 from __future__ import annotations
@@ -38,10 +45,11 @@ import shutil
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from posttrain.store.manifest import UNSIGNED, CheckpointTrust
 from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_valid_checkpoint
 
 FINISHED = "finished.json"
@@ -140,6 +148,7 @@ class ResumePlan:
     checkpoint: CheckpointInfo | None
     finished: dict[str, Any] | None
     message: str = ""
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # newer checkpoints passed over, and why
 
 
 def _check_model(saved: dict[str, Any], current: RunIdentity, where: str, output_dir: Path) -> None:
@@ -200,6 +209,26 @@ def _warn_changed(saved: dict[str, Any], current: RunIdentity, where: str) -> No
         warnings.warn(f"resuming {where}, written with a different config: changed {', '.join(changed)}", stacklevel=3)
 
 
+def readable_identity(saved: Any, where: str, force: bool) -> dict[str, Any]:
+    """The identity a checkpoint or ``finished.json`` recorded, when it has the shape this module writes.
+
+    A missing or garbled one cannot show that ``where`` belongs to this run: ``ResumeError``, unless ``force``
+    (``train.resume=force``), which resumes without the model, data and config checks, with a warning.
+    """
+    model = saved.get("model") if isinstance(saved, dict) else None
+    if (isinstance(saved, dict) and isinstance(saved.get("config"), dict) and isinstance(model, dict)
+            and isinstance(model.get("architecture", {}), dict) and isinstance(model.get("digest", ""), str | None)
+            and isinstance(saved.get("data", {}), dict | None)):
+        return saved
+    if force:
+        warnings.warn(f"resuming {where} although its run identity cannot be read (train.resume=force): the model, "
+                      "data and config it was written with are not checked", stacklevel=3)
+        return {}
+    raise ResumeError(f"{where} records no readable run identity, so nothing shows it belongs to this run (a "
+                      "garbled or forged manifest?). Use a new output_dir, or, if you trust it, rerun with "
+                      "--force-resume (train.resume=force)")
+
+
 def move_previous_run(output_dir: Path) -> Path | None:
     """``train.resume=never``: move what an earlier run left in ``output_dir`` into ``previous-<UTC time>/``."""
     present = [output_dir / name for name in RUN_FILES if (output_dir / name).exists()]
@@ -212,34 +241,56 @@ def move_previous_run(output_dir: Path) -> Path | None:
     return target
 
 
+def _read_finished(path: Path, force: bool) -> dict[str, Any] | None:
+    """``finished.json``, when there is one; a malformed one is refused like a garbled identity."""
+    if not path.exists():
+        return None
+    try:
+        finished = json.loads(path.read_bytes())
+    except (ValueError, RecursionError):
+        finished = None
+    if isinstance(finished, dict) and isinstance(finished.get("steps"), int) and isinstance(
+            finished.get("export"), str | None):
+        return finished
+    if force:
+        warnings.warn(f"ignoring {path}, which is not a finished-run marker (train.resume=force)", stacklevel=3)
+        return None
+    raise ResumeError(f"{path} is not a finished-run marker posttrain wrote; remove it, or rerun with --force-resume "
+                      "(train.resume=force) to ignore it")
+
+
 def plan_resume(output_dir: Path, identity: RunIdentity, mode: str,
                 export_exists: Callable[[str], bool] | None = None,
-                latest: Callable[[], CheckpointInfo | None] | None = None) -> ResumePlan:
+                latest: Callable[[], CheckpointInfo | None] | None = None,
+                trust: CheckpointTrust = UNSIGNED,
+                skipped: Callable[[str, str], None] | None = None) -> ResumePlan:
     """Decide how this run starts (see the module docstring); raises ``ResumeError`` to refuse.
 
     A remote run store answers for itself (its files are not all mirrored locally): ``export_exists(name)``,
     whether the finished run's export is still there, and ``latest()``, the checkpoint it fetched and
-    verified. By default both look in ``output_dir``."""
+    verified. By default both look in ``output_dir``, where checkpoints are checked with ``trust``."""
     if mode == "never":
         moved = move_previous_run(output_dir)
         return ResumePlan(None, None, f"train.resume=never: the previous run was moved to {moved}" if moved else "")
-    finished_path = output_dir / FINISHED
-    finished = json.loads(finished_path.read_text()) if finished_path.exists() else None
+    force = mode == "force"
+    finished = _read_finished(output_dir / FINISHED, force)
     exists = export_exists or (lambda name: (output_dir / name).exists())
     if finished is not None and finished.get("export") and not exists(finished["export"]):
         finished = None  # the export was removed: resume from the last checkpoint and export again
     if finished is not None:
-        _check_model(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
-        _check_data(finished.get("identity") or {}, identity, f"the finished run in {output_dir}", output_dir)
-        _warn_changed(finished.get("identity") or {}, identity, f"the finished run in {output_dir}")
+        where = f"the finished run in {output_dir}"
+        saved = readable_identity(finished.get("identity"), where, force)
+        _check_model(saved, identity, where, output_dir)
+        _check_data(saved, identity, where, output_dir)
+        _warn_changed(saved, identity, where)
         return ResumePlan(None, finished)
-    checkpoint = latest() if latest is not None else latest_valid_checkpoint(output_dir / "checkpoints")
+    checkpoint = latest() if latest is not None else latest_valid_checkpoint(output_dir / "checkpoints", trust, skipped)
     if checkpoint is None:
         if mode == "must":
             raise ResumeError(f"train.resume=must but {output_dir} holds no valid checkpoint to resume from")
         return ResumePlan(None, None)
     where = f"checkpoint {checkpoint.path}"
-    saved = checkpoint.manifest.get("identity") or {}
+    saved = readable_identity(checkpoint.manifest.get("identity"), where, force)
     _check_model(saved, identity, where, output_dir)
     _check_data(saved, identity, where, output_dir)
     _warn_changed(saved, identity, where)

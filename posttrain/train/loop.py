@@ -34,6 +34,7 @@ from posttrain.data.io import append_jsonl
 from posttrain.exit_codes import EXIT_RESUMABLE, mark_preempted
 from posttrain.store import RunStore
 from posttrain.store.direct import DirectSaver
+from posttrain.store.manifest import UNSIGNED
 from posttrain.store.uploader import CheckpointUploader
 from posttrain.train.checkpoint import (
     CheckpointInfo,
@@ -177,9 +178,12 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
 class _Run:
     """The loop's own state and what it needs to save and restore it (model, optimizer, guard, source)."""
 
-    def __init__(self, model, optimizer, source: StepSource, settings: LoopSettings):
+    def __init__(self, model, optimizer, source: StepSource, settings: LoopSettings, total_steps: int):
         self.model, self.optimizer, self.source, self.settings = model, optimizer, source, settings
+        self.total_steps = total_steps
         self.root = settings.output_dir / "checkpoints"
+        # store.signing_key and train.max_steps, which every checkpoint this loop writes or reads is checked by
+        self.trust = settings.store.trust if settings.store is not None else UNSIGNED
         self.next_step, self.optimizer_steps, self.rollbacks = 0, 0, 0
         self.skip: set[int] = set(settings.skip_steps)
         self.last_saved = -1
@@ -194,7 +198,7 @@ class _Run:
                 "world_size": dist.world_size()}
 
     def restore(self, info) -> None:
-        state = load_checkpoint(info, self.model, self.optimizer)
+        state = load_checkpoint(info, self.model, self.optimizer, max_step=self.total_steps)
         self.next_step, self.optimizer_steps = state["next_step"], state["optimizer_steps"]
         self.rollbacks, self.skip = state["rollbacks"], set(state["skip"]) | set(self.settings.skip_steps)
         self.settings.health.load(state["health"])
@@ -215,7 +219,8 @@ class _Run:
             self.uploader.wait()
             started = time.perf_counter()  # that wait was the previous checkpoint's upload
         saved = save_checkpoint(self.root, self.next_step, self.model, self.optimizer, self.trainer_state(),
-                                s.identity, s.keep_last, per_node_dir=self.uploader is not None)
+                                s.identity, s.keep_last, per_node_dir=self.uploader is not None,
+                                signing_key=self.trust.key)
         self.last_saved = self.next_step
         if self.uploader is None:
             self._committed(self.next_step, time.perf_counter() - started)
@@ -241,7 +246,7 @@ class _Run:
         if self.uploader is not None:
             self.uploader.wait()
         if self.uploader is None and self.direct is None:
-            return latest_valid_checkpoint(self.root)
+            return latest_valid_checkpoint(self.root, self.trust)
         store = self.settings.store
         fetched = dist.broadcast_object(store.fetch_latest() if dist.is_main() else None)
         if fetched is not None and dist.local_rank() == 0 and not dist.is_main():
@@ -348,7 +353,7 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
     optimizer = torch.optim.AdamW(
         params, lr=settings.lr, betas=settings.betas, weight_decay=settings.weight_decay, fused=True
     )
-    run = _Run(model, optimizer, source, settings)
+    run = _Run(model, optimizer, source, settings, total_steps)
     resumed = settings.resume_from
     if resumed is not None:
         run.restore(resumed)

@@ -43,6 +43,8 @@ from posttrain.models.lora import (
     quantization_config,
 )
 from posttrain.store import RunStore
+from posttrain.store.lock import RunLock, lock_run, release_held
+from posttrain.store.manifest import CheckpointTrust, load_signing_key
 from posttrain.store.run_store import CHECKPOINTS
 from posttrain.telemetry.trackers import check_trackers
 from posttrain.train.checkpoint import CheckpointInfo, DiskFullError, export_hf, full_model_state_dict
@@ -76,6 +78,7 @@ class Run:
     plan: ResumePlan
     store: RunStore
     attempt: str = ""  # this start's id, the same on every rank (names the upload markers of its checkpoints)
+    lock: RunLock | None = None  # rank 0: one run per output_dir, held until the recipe ends (posttrain.store.lock)
 
     @property
     def finished(self) -> bool:
@@ -84,8 +87,10 @@ class Run:
 
 
 def open_store(config: TrainingRecipe) -> RunStore:
+    """The run's store, with what its checkpoints are checked against (``store.signing_key``, ``train.max_steps``)."""
     store = config.store
-    return RunStore(config.output_dir, store.local_dir, store.backoff_s, store.max_outage_s)
+    trust = CheckpointTrust(load_signing_key(store.signing_key), config.train.max_steps)
+    return RunStore(config.output_dir, store.local_dir, store.backoff_s, store.max_outage_s, trust=trust)
 
 
 def _plan_on_main(config: TrainingRecipe, store: RunStore, identity: RunIdentity):
@@ -96,8 +101,11 @@ def _plan_on_main(config: TrainingRecipe, store: RunStore, identity: RunIdentity
         store.clear_local()
     elif store.remote:
         fetched = store.sync_down()
+    skipped: list[tuple[str, str]] = list(store.skipped)
     plan = plan_resume(store.local, identity, config.train.resume, export_exists=store.exists if store.remote else None,
-                       latest=(lambda: CheckpointInfo.at(store.local / CHECKPOINTS, *fetched) if fetched else None) if store.remote else None)
+                       latest=(lambda: CheckpointInfo.at(store.local / CHECKPOINTS, *fetched) if fetched else None) if store.remote else None,
+                       trust=store.trust, skipped=lambda where, why: skipped.append((where, why)))
+    plan.skipped = skipped
     if moved:
         plan.message = f"train.resume=never: the previous run was moved to {moved}"
     if plan.finished is None:
@@ -128,12 +136,17 @@ def start_run(config: TrainingRecipe) -> Run:
     torch.manual_seed(seed)
     store = open_store(config)
     plan: ResumePlan | Exception | None = None
-    identity, attempt = None, ""
+    identity, attempt, lock = None, "", None
     if dist.is_main():
-        store.local.mkdir(parents=True, exist_ok=True)
         identity, attempt = RunIdentity.of(config), uuid.uuid4().hex[:12]
         try:
+            release_held()  # a process trains one run at a time: an earlier run's lock here is over
+            # Makes the directory; another run in it, or a directory that cannot be written, is exit 2.
+            lock = lock_run(store)
+            for note in lock.notes:
+                say(note)
             plan = _plan_on_main(config, store, identity)
+            lock.refresh()  # train.resume=never moved the store's objects, the lease too, aside
         except Exception as exc:  # noqa: BLE001 - raised on every rank below, not only here (no rank may hang)
             plan = exc
     identity, plan, attempt = dist.broadcast_object((identity, plan, attempt))
@@ -155,7 +168,7 @@ def start_run(config: TrainingRecipe) -> Run:
         say(plan.message)
     if store.remote and dist.is_main():
         say(f"run store {store.url} (local mirror {store.local})")
-    return Run(config, store.local, identity, plan, store, attempt)
+    return Run(config, store.local, identity, plan, store, attempt, lock)
 
 
 def batch_geometry(config: TrainingRecipe) -> BatchGeometry:
@@ -237,6 +250,10 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
     config = run.config
     check_trackers(config.metrics)  # a missing tracker package fails here, on every rank, before any step
     train, health, debug = config.train, config.health, config.debug
+    alerts = Alerts(run.output_dir / "alerts.jsonl", config.alerts.webhook, config.alerts.timeout_s)
+    for where, why in run.plan.skipped:  # recorded by rank 0 (emit)
+        alerts.emit("checkpoint_skipped", checkpoint=where, reason=why,
+                    message=f"checkpoint {where} was not resumed from: {why}; an older one was used")
     return LoopSettings(
         output_dir=run.output_dir,
         lr=train.lr,
@@ -265,7 +282,7 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
             max_consecutive=health.max_consecutive,
             enabled=health.enabled,
         ),
-        alerts=Alerts(run.output_dir / "alerts.jsonl", config.alerts.webhook, config.alerts.timeout_s),
+        alerts=alerts,
         max_rollbacks=health.max_rollbacks,
         skip_steps=frozenset(health.skip_steps),
         eval_every=train.eval_every,

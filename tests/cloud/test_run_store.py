@@ -3,9 +3,11 @@ start, what is pruned, retries and the outage limit, and that an upload does not
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -33,8 +35,24 @@ def upload(store: RunStore, directory: Path, with_manifest: bool = True) -> None
             store.put_file(path, f"checkpoints/{directory.name}/{path.name}")
 
 
+@functools.cache
+def dcp_metadata() -> bytes:
+    """A real DCP ``.metadata`` (one small tensor in ``__0_0.distcp``): a fetch reads it through the
+    restricted unpickler before a checkpoint counts, so a stand-in string would make every checkpoint invalid."""
+    import tempfile
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    with tempfile.TemporaryDirectory() as directory, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process": it is
+        dcp.save({"w": torch.zeros(4)}, checkpoint_id=directory, no_dist=True)
+        return (Path(directory) / ".metadata").read_bytes()
+
+
 def shards(step: int) -> dict[str, bytes]:
-    return {"__0_0.distcp": bytes([step]) * 5000, ".metadata": b"meta%d" % step, "trainer.json": b"{}"}
+    trainer = {"next_step": step, "optimizer_steps": step, "rollbacks": 0, "skip": [], "source": {}}
+    return {"__0_0.distcp": bytes([step]) * 5000, ".metadata": dcp_metadata(), "trainer.json": json.dumps(trainer).encode()}
 
 
 def test_a_checkpoint_is_its_manifest_and_every_file_in_full(s3_bucket, tmp_path):

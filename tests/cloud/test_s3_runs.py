@@ -167,7 +167,7 @@ def test_two_ranks_upload_their_own_shards_and_resume_bit_identical(tiny_model_d
     store = RunStore(url)
     step = next(s for s in store.checkpoint_steps() if store.manifest(s)[0] is not None)
     manifest = store.manifest(step)[0]
-    assert {"__0_0.distcp", "__1_0.distcp", "rng-rank0.pt", "rng-rank1.pt"} <= set(manifest["files"])
+    assert {"__0_0.distcp", "__1_0.distcp", "rng-rank0.json", "rng-rank1.json"} <= set(manifest["files"])
     assert not [name for name in store.listdir(f"checkpoints/step-{step:06d}") if name.startswith(".uploaded")]
     shutil.rmtree(mirror)
     resumed = subprocess.run(sft_command(overrides, nproc=2), cwd=ROOT, env=s3_env(s3_endpoint),

@@ -63,7 +63,7 @@ def test_two_nodes_own_mirrors_rollback_and_fresh_resume(tiny_model_dir, sft_dat
     assert "rollback" in [event["kind"] for event in events]  # both nodes went back to the committed step
     store = RunStore(url)
     assert store.manifest(6)[0] is not None  # committed before the rollback at step 6, which went back to it
-    full = {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng-rank0.pt", "rng-rank1.pt", "manifest.json"}
+    full = {"__0_0.distcp", "__1_0.distcp", ".metadata", "rng-rank0.json", "rng-rank1.json", "manifest.json"}
     for cache in caches:  # the rollback fetched the committed checkpoint onto both nodes' own disks
         assert full <= {p.name for p in next(cache.rglob("step-000006")).iterdir()}
     # The save at step 8 (the kill came right after it) is on each node's disk as its rank wrote it.

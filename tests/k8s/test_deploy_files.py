@@ -162,5 +162,5 @@ def test_render_help_describes_every_flag():
             assert option in text
         assert " ".join(action.help.split())[:30] in text
     for flag in ("--nodes", "--gpus-per-node", "--spot-workers", "--spot-selector", "--kind", "--grace-period-s",
-                 "--from-run", "--s3-secret", "--output-dir", "--image", "--cpu", "--memory", "--out"):
+                 "--from-run", "--s3-secret", "--signing-secret", "--output-dir", "--image", "--cpu", "--memory", "--out"):
         assert flag in text

@@ -161,6 +161,22 @@ def test_s3_secret_shm_metrics_port_and_output_dir():
     assert all("valueFrom" not in e for _, _, spec in _pod_specs(no_secret) for e in spec["containers"][0]["env"])
 
 
+def test_a_signing_secret_reaches_every_pod_and_the_command_names_its_variable():
+    files = render(_options(signing_secret="run-signing"))
+    for _kind, _meta, spec in _pod_specs(files):
+        refs = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in spec["containers"][0]["env"] if "valueFrom" in e}
+        assert refs["POSTTRAIN_SIGNING_KEY"] == {"name": "run-signing", "key": "signing-key"}
+    command = files["trainjob.yaml"][1]["spec"]["trainer"]["command"]
+    assert "store.signing_key=env:POSTTRAIN_SIGNING_KEY" in command
+    assert not [e for docs in files.values() for doc in docs for e in schema_errors(doc)]
+    # A recipe that signs with a key the pods would not get is refused before anything is written.
+    with pytest.raises(RenderError, match="--signing-secret NAME"):
+        render(_options(overrides=("store.signing_key=env:MY_KEY",)))
+    # Without either, nothing about signing is rendered.
+    plain = render(_options())
+    assert all(e["name"] != "POSTTRAIN_SIGNING_KEY" for _, _, spec in _pod_specs(plain) for e in spec["containers"][0]["env"])
+
+
 def test_metrics_port_override_is_passed_when_the_recipe_knows_it():
     from posttrain.config.keys import config_keys
     from posttrain.config.registry import RECIPES, load_builtin_recipes
