@@ -6,6 +6,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from posttrain.plan import memory, timing
+from posttrain.plan.hardware import DEFAULT_GPU, GPU_PRESETS
 from posttrain.plan.memory import GIB
 from posttrain.plan.shapes import ModelShape
 
@@ -17,7 +18,7 @@ class PlanInputs:
     recipe: str = "sft"
     offload: str = "none"
     ac: str = "selective"
-    seq: int = 4096
+    seq: int = 4096  # grpo: prompt_len + completion_len, which set the sequence there
     micro_batch: int = 1
     precision: str = "bf16"
     flash: bool = True
@@ -29,7 +30,11 @@ class PlanInputs:
     completion_len: int = 1024
     rollout_batch: int = 8
     mfu: float = 0.4
-    peak_tflops: float = timing.H100_BF16_DENSE_TFLOPS
+    gpu: str = DEFAULT_GPU  # the preset the next three figures came from (posttrain/plan/hardware.py)
+    gpu_memory_gib: float = GPU_PRESETS[DEFAULT_GPU].memory_gib
+    peak_tflops: float = GPU_PRESETS[DEFAULT_GPU].peak_tflops  # bf16 dense
+    hbm_tbps: float = GPU_PRESETS[DEFAULT_GPU].hbm_tbps  # recorded, not used by a formula yet (hardware.py)
+    gpu_overridden: tuple[str, ...] = ()  # flags that replaced a preset figure (--gpu-memory, ...)
     bandwidth_gbps: float = 400.0  # per GPU, Gbit/s
     store_gbps: float = 100.0  # aggregate checkpoint write bandwidth, Gbit/s
     node_mtbf_hours: float = 5000.0
@@ -107,14 +112,25 @@ def _minutes(seconds: float) -> str:
     return "never (no failures)" if math.isinf(seconds) else f"{seconds / 60:,.1f} min"
 
 
+def _sequence(inp: dict) -> str:
+    if inp["recipe"] != "grpo":
+        return f"seq {inp['seq']}"
+    return (f"seq {inp['prompt_len'] + inp['completion_len']} (prompt {inp['prompt_len']} + completion "
+            f"{inp['completion_len']})")
+
+
 def format_plan(plan: dict) -> str:
+    """The plan as text; its last line is the verdict when ``plan`` carries one (posttrain/plan/fit.py)."""
     model, inp, mem = plan["model"], plan["inputs"], plan["memory_bytes"]
     comm, run = plan["communication_per_microbatch"], plan["run"]
+    overridden = inp["gpu_overridden"]
     lines = [
         f"plan: {model['name']} ({model['total_params'] / 1e9:,.2f}B params), {inp['recipe']}, "
         f"{inp['gpus']} GPUs ({run['nodes']} nodes × {inp['gpus_per_node']}), {inp['precision']}, "
-        f"seq {inp['seq'] if inp['recipe'] != 'grpo' else inp['prompt_len'] + inp['completion_len']}, "
+        f"{_sequence(inp)}, "
         f"micro-batch {inp['micro_batch']}, AC {inp['ac']}, offload {inp['offload']}, {inp['layers']} layers",
+        f"GPU {inp['gpu']}: {inp['gpu_memory_gib']:g} GiB, {inp['peak_tflops']:g} TFLOP/s bf16 dense, "
+        f"{inp['hbm_tbps']:g} TB/s HBM" + (f" (overridden: {', '.join(overridden)})" if overridden else ""),
         "memory per GPU",
         f"  params+grads+Adam (sharded)  {_gib(mem['sharded_states'])}",
         f"  gathered largest unit        {_gib(mem['gathered_unit'])}",
@@ -148,4 +164,6 @@ def format_plan(plan: dict) -> str:
             f"{run['wall_hours']:,.1f} h wall, ${run['cost_dollars']:,.0f} at ${run['price_per_gpu_hour']:.2f}/GPU-h"
             if math.isfinite(run["wall_hours"]) else "never finishes: interruptions eat all the time"),
     ]
+    if "verdict" in plan:
+        lines.append(f"verdict: {plan['verdict']['text']}")
     return "\n".join(lines)

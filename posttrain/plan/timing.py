@@ -4,7 +4,8 @@
   attention 12·L·s²·h per sequence (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU
   Clusters", eq. 3: the s/6h term of 72·B·s·L·h²·(1 + s/6h + V/12hL)). The causal mask is not halved, as in
   those papers; recompute FLOPs are not counted (MFU is a model-FLOPs figure), so set ``mfu`` lower for full AC.
-* Step time = FLOPs / (GPUs · MFU · peak), or the FSDP communication time where that is longer (not hidden). Default peak: H100 SXM bf16 dense, 989 TFLOP/s (NVIDIA datasheet).
+* Step time = FLOPs / (GPUs · MFU · peak), or the FSDP communication time where that is longer (not hidden). The
+  peak is the GPU preset's bf16 dense figure (posttrain/plan/hardware.py; default H100 SXM, 989 TFLOP/s).
 * FSDP traffic per GPU per micro-batch (ring collectives move (N−1)/N of the buffer through each GPU):
   all-gather of bf16 params in forward and again in backward (``reshard_after_forward=True``), 2 · 2P·(N−1)/N B,
   and a reduce-scatter of fp32 gradients (``reduce_dtype=fp32``), 4P·(N−1)/N B. It hides behind compute when
@@ -25,8 +26,6 @@ import math
 from dataclasses import dataclass
 
 from posttrain.plan.shapes import ModelShape
-
-H100_BF16_DENSE_TFLOPS = 989.0
 
 
 def step_flops(shape: ModelShape, seq: int, sequences: int) -> float:

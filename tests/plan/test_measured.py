@@ -69,8 +69,9 @@ def test_predicted_training_increment_within_20_percent(measured_model, recipe, 
     if recipe == "sft":
         peak = _run("sft", {"model.path": model, "data.train": root / "sft.jsonl"}, tmp_path / "out")
     else:  # chosen and rejected as two padded rows (the plan's DPO batch), every MLP activation kept
+        # 16 pairs on purpose (a memory measurement, not a model): dpo.min_pairs says we know they are few.
         peak = _run("dpo", {"model.path": model, "data.train": root / "pairs.jsonl", "dpo.prefix_sharing": "false",
-                            "train.recompute_mlp": "false"}, tmp_path / "out")
+                            "train.recompute_mlp": "false", "dpo.min_pairs": 2 * BATCH}, tmp_path / "out")
     measured_mib = peak - baseline["baseline_rss_mb"]
     shape = load_shape(model)
     assert shape.total_params() == baseline["params"]
