@@ -238,10 +238,11 @@ def _model_at(schema: type[BaseModel], loc: tuple[Any, ...]) -> type[BaseModel] 
     return model
 
 
-def _where(path: tuple[str, ...], source: str | None, lines: dict, overrides: dict) -> str:
+def _where(path: tuple[str, ...], source: str | None, lines: dict, overrides: dict,
+           overrides_from: str = "command line") -> str:
     for cut in range(len(path), 0, -1):
         if path[:cut] in overrides:
-            return f"command line `{overrides[path[:cut]]}`"
+            return f"{overrides_from} `{overrides[path[:cut]]}`"
         if path[:cut] in lines and source:
             return f"{source}:{lines[path[:cut]]}"
     return source or "config"
@@ -285,8 +286,11 @@ def load_config(
     path: str | Path | None = None,
     overrides: list[str] | None = None,
     data: dict[str, Any] | None = None,
+    overrides_from: str = "command line",
 ) -> BaseModel:
-    """Build ``schema`` from a YAML file (or ``data``) plus dotted overrides; raise ConfigError."""
+    """Build ``schema`` from a YAML file (or ``data``) plus dotted overrides; raise ConfigError.
+
+    ``overrides_from`` names where the overrides came from in errors (a flywheel stage's ``sft.overrides``)."""
     lines: dict[tuple[str, ...], int] = {}
     if path is not None:
         path = find_recipe(path)  # a file, or the name of a packaged recipe (`sft_tiny`)
@@ -304,7 +308,7 @@ def load_config(
         problems = []
         for error in exc.errors():
             loc = tuple(str(p) for p in error["loc"])
-            problems.append(_describe(error, schema, _where(loc, source, lines, override_text)))
+            problems.append(_describe(error, schema, _where(loc, source, lines, override_text, overrides_from)))
         raise ConfigError(problems) from None
 
 

@@ -89,6 +89,12 @@ class DPOConfig(StrictModel):
         description="Run the prompt shared by chosen and rejected once per pair (one row: prompt, chosen, "
         "rejected, with an attention mask that keeps the two responses apart).",
     )
+    min_pairs: int = Field(
+        default=64, ge=1,
+        description="Fewer usable training pairs stop the run (exit 2; a flywheel skips its DPO stage): DPO over a "
+        "handful memorises them and its held-out gain is noise. Lower it to train on a small set knowingly; "
+        "over fewer than 64 pairs the passes are then capped at 4 (a warning says so).",
+    )
     simpo_gamma: float | None = Field(default=None, description="SimPO target margin γ (default 0.5).")
     orpo_lambda: float | None = Field(default=None, ge=0.0, description="ORPO odds-ratio weight λ (default 0.1).")
     bco_delta: float | None = Field(

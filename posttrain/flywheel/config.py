@@ -10,17 +10,31 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from posttrain.config.loader import StrictModel
 from posttrain.config.registry import register_recipe
+from posttrain.flywheel.overrides import check_overrides, flatten_overrides
 
 
 class StageRecipe(StrictModel):
-    """A stage runs an ordinary posttrain recipe file with dotted overrides on top."""
+    """A stage runs an ordinary posttrain recipe file with overrides merged over it key by key."""
 
     recipe: str = Field(description="The stage's recipe: a packaged recipe's name (sft_tiny) or a YAML file path.")
-    overrides: dict[str, Any] = Field(default_factory=dict, description="Dotted key → value, as on the CLI.")
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="Keys of the stage's recipe → values, dotted (train.lr: 1e-3) or nested "
+        "(train: {lr: 1e-3}) alike, each merged over the recipe's value; `posttrain validate --config FILE --stage "
+        "NAME` prints what the stage runs with."
+    )
+
+    _flat = field_validator("overrides", mode="before")(flatten_overrides)
+
+
+def _checked_stage(stage: StageRecipe | None, info: ValidationInfo) -> StageRecipe | None:
+    """A stage whose override keys all exist in its recipe (the recipe kind is the stage's name)."""
+    if stage is not None:
+        check_overrides(info.field_name, stage.overrides)
+    return stage
 
 
 class BaseModelSpec(StrictModel):
@@ -35,6 +49,8 @@ class BaseModelSpec(StrictModel):
     vocab_size: int = 1024
     corpus_documents: int = 3000
     pretrain: StageRecipe | None = None
+
+    _stage = field_validator("pretrain")(_checked_stage)
 
     @model_validator(mode="after")
     def _check(self) -> BaseModelSpec:
@@ -117,11 +133,19 @@ class NextRoundSpec(StrictModel):
     rl_prompts: int | str = Field(default=1500, description="Round k's RL prompts: a count or a file.")
     unkeyed_share: float = Field(default=0.4, ge=0.0, le=1.0)
     off_topic_share: float = Field(default=0.06, ge=0.0, le=0.5)
-    curate: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the curate stage.")
-    sft: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the SFT stage.")
-    sample: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the sample stage.")
-    dpo: dict[str, Any] = Field(default_factory=dict, description="Extra overrides of the DPO stage.")
+    curate: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the curate stage's.")
+    sft: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the SFT stage's.")
+    sample: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the sample stage's.")
+    dpo: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the DPO stage's.")
     model_judge: bool = Field(default=True, description="Curate with the previous round's policy as a judge.")
+
+    _flat = field_validator("curate", "sft", "sample", "dpo", mode="before")(flatten_overrides)
+
+    @field_validator("curate", "sft", "sample", "dpo")
+    @classmethod
+    def _known_keys(cls, overrides: dict[str, Any], info: ValidationInfo) -> dict[str, Any]:
+        """Merged over the stage's own overrides key by key, so they name keys of the same recipe."""
+        return check_overrides(info.field_name, overrides)
 
 
 class FlywheelRecipe(StrictModel):
@@ -142,6 +166,8 @@ class FlywheelRecipe(StrictModel):
     threads: int | None = Field(
         default=None, ge=1, description="torch threads; default: OMP_NUM_THREADS, else all cores (posttrain.threads)."
     )
+
+    _stages = field_validator("curate", "sft", "sample", "dpo", "grpo")(_checked_stage)
 
 
 register_recipe(

@@ -11,7 +11,8 @@ Round k lives in ``<run_dir>/round<k>/`` and runs, as cached stages of the same 
     sample    rejection sampling of the new RL prompts with the previous final model
     feedback  ``posttrain feedback``: the exported edge cases merged into the curated SFT set and the
               sampled preference set (deduplicated against both)
-    sft, dpo  continued from the previous final model on the merged sets
+    sft, dpo  continued from the previous final model on the merged sets (DPO skipped, with its reason,
+              below ``dpo.min_pairs``: the round's final model is then its SFT model)
     eval_sft, eval_dpo, compare   on the round-1 held-out eval suite, so every round is scored alike
 
 ``rounds.json`` (written by ``write_rounds_index``) lists the rounds for the report, and
@@ -26,7 +27,10 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
-from posttrain.flywheel.stages import StageRunner, require_pairs
+from posttrain.flywheel.stages import StageRunner
+
+# What to change when a later round's DPO stage gets too few pairs: how to get more, where the minimum is set.
+LATER_PAIRS_HINT = ("raise next_round.rl_prompts or feedback.samples", "next_round.dpo.dpo.min_pairs")
 
 
 def file_fingerprint(path: str, what: str) -> dict[str, Any]:
@@ -71,7 +75,7 @@ def stage_round_data(config: FlywheelRecipe, round_index: int, out: Path) -> dic
 def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, round_index: int,
                    previous: dict[str, Any], suite: str,
                    stage_eval: Callable[..., dict[str, Any]], stage_compare: Callable[..., dict[str, Any]],
-                   run_stage: Callable[[str, StageRecipe, dict[str, Any], Path], dict[str, Any]]) -> dict[str, Any]:
+                   run_stage: Callable[..., dict[str, Any]]) -> dict[str, Any]:
     """Run round ``round_index`` from ``previous`` (``{"label", "model", "stage", "results"}`` of the
     previous round's final model); return the round's entry for ``rounds.json``."""
     from posttrain.flywheel import feedback_loop as loop
@@ -103,14 +107,16 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     exported = stage("export", {}, ["annotate"], lambda out: loop.stage_export(run_dir, out))
 
     def recipe(name: str, base: StageRecipe, extra: dict[str, Any], depends_on: list[str],
-               wiring: dict[str, Any], check: Callable[[], Any] = lambda: None) -> None:
+               wiring: dict[str, Any], **options: Any) -> dict[str, Any]:
+        """Stage ``name``: ``extra`` (next_round's overrides) merged over the stage's own key by key."""
         merged = StageRecipe(recipe=base.recipe, overrides={**base.overrides, **extra})
+        owner = f"{name}.overrides + next_round.{name}" if extra else None
 
         def body(out: Path) -> dict[str, Any]:
-            check()
-            return run_stage(name, merged, {**wiring, "output_dir": str(out)}, out)
+            return run_stage(name, merged, {**wiring, "output_dir": str(out)}, out, label=f"{prefix}/{name}",
+                             owner=owner, **options)
 
-        stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on, body)
+        return stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on, body)
 
     judge = {"model_judge.enabled": spec.model_judge, "model_judge.model": previous["model"]} if spec.model_judge else {}
     recipe("curate", config.curate, {"intent.enabled": True, **spec.curate}, ["data", start],
@@ -122,29 +128,32 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
             "preferences": str(here / "sample" / "preferences.jsonl")})
     recipe("sft", config.sft, spec.sft, [start, "feedback"],
            {"model.path": previous["model"], "data.train": str(here / "feedback" / "sft.jsonl")})
-    pairs = here / "feedback" / "preferences.jsonl"
-    recipe("dpo", config.dpo, spec.dpo, ["sft", "feedback"],
-           {"model.path": str(here / "sft" / "final"), "data.train": str(pairs), "data.eval": None},
-           check=lambda: require_pairs(pairs, "neither rejection sampling nor the annotated failures gave a "
-                                       "preference pair; raise next_round.rl_prompts or feedback.samples"))
+    dpo = recipe("dpo", config.dpo, spec.dpo, ["sft", "feedback"],
+                 {"model.path": str(here / "sft" / "final"), "data.train": str(here / "feedback" / "preferences.jsonl"),
+                  "data.eval": None}, hint=LATER_PAIRS_HINT)
+    models = ["sft"] if dpo.get("skipped") else ["sft", "dpo"]
+    if dpo.get("skipped"):
+        runner.log(f"{prefix}/dpo: no DPO model this round. {dpo['skipped']}")
     evals = {"start": previous["results"]}
-    for label in ("sft", "dpo"):
+    for label in models:
         result = stage(f"eval_{label}", {"eval": dump["eval"], "model": f"{prefix}/{label}"}, [label],
                        lambda out, lab=label: stage_eval(str(here / lab / "final"), suite, config, out,
                                                          f"{prefix}/{lab}"))
         evals[label] = result["results"]
-    stage("compare", dump["eval"], ["eval_sft", "eval_dpo"],
-          lambda out: stage_compare(evals, config, out, [("start", "sft"), ("sft", "dpo"), ("start", "dpo")]))
+    pairs = [("start", "sft"), ("sft", "dpo"), ("start", "dpo")] if "dpo" in models else [("start", "sft")]
+    stage("compare", dump["eval"], [f"eval_{label}" for label in models],
+          lambda out: stage_compare(evals, config, out, pairs))
     capture = runner.results[f"{prefix}/capture"].outputs
     annotate = runner.results[f"{prefix}/annotate"].outputs
+    final = models[-1]
     return {
-        "round": round_index, "dir": prefix, "models": ["sft", "dpo"], "final": "dpo",
+        "round": round_index, "dir": prefix, "models": models, "final": final,
         "start": previous["label"], "captured_groups": sorted(capture.get("failures_by_group", {})),
         "counts": {"captured": capture.get("failures", 0), "alternatives": capture.get("alternatives", 0),
                    "votes": annotate.get("votes", 0), "pairs": exported["counts"].get("exported", 0),
                    "dev_items": capture.get("dev_items", 0), "dev_passed": capture.get("dev_passed", 0)},
-        "model": str(here / "dpo" / "final"), "stage": f"{prefix}/dpo", "label": f"{prefix}/dpo",
-        "results": evals["dpo"],
+        "model": str(here / final / "final"), "stage": f"{prefix}/{final}", "label": f"{prefix}/{final}",
+        "results": evals[final], **({"skipped": {"dpo": dpo["skipped"]}} if dpo.get("skipped") else {}),
     }  # fmt: skip
 
 

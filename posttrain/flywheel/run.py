@@ -5,37 +5,46 @@ rejection sampling → DPO → (GRPO with the verifier reward, with ``grpo.enabl
 model → paired comparisons. Rounds 2..N (``rounds``): ``posttrain.flywheel.rounds``. Then
 ``report.html`` + ``report.json``.
 
-Every stage runs the same recipe code a user runs from the CLI; the flywheel only wires paths.
+Every stage runs the same recipe code a user runs from the CLI; the flywheel only wires paths
+(``posttrain.flywheel.layout``). A DPO stage with fewer pairs than its ``dpo.min_pairs`` does not train:
+its ``stage.json`` records why, the round goes on to eval without a DPO model, and the report says so.
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from posttrain.config.loader import load_config
-from posttrain.config.registry import RECIPES, load_builtin_recipes, run_recipe
+from pydantic import BaseModel
+
+from posttrain.config.registry import run_recipe
 from posttrain.exit_codes import EXIT_RESUMABLE
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
-from posttrain.flywheel.stages import StageRunner, require_pairs
-from posttrain.recipes import find_recipe
+from posttrain.flywheel.layout import resolve_stages, round_one_stages
+from posttrain.flywheel.overrides import stage_config
+from posttrain.flywheel.stages import StageRunner, count_pairs, skipped_dpo
 from posttrain.threads import configure_threads
 
 NEW_DATA_DEFAULTS = {"unkeyed_share": 0.0, "off_topic_share": 0.0}
+# What to change when round 1's DPO stage gets too few pairs: how to get more, where the minimum is set
+# (rounds 2..N say their own: ``rounds``).
+ROUND_ONE_PAIRS_HINT = ("raise data.rl_prompts or the sample stage's sampling.n / temperature",
+                        "dpo.overrides.dpo.min_pairs")
 
 
 class StageInterrupted(RuntimeError):
     """A training stage was preempted; its checkpoint is saved and a re-run resumes it."""
 
 
-def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any]) -> None:
-    """Run a registered recipe from its YAML + the stage's overrides + the flywheel's wiring."""
-    load_builtin_recipes()
-    overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in {**stage.overrides, **wiring}.items()]
-    config = load_config(RECIPES[name].schema, find_recipe(stage.recipe), overrides)
+def run_stage_recipe(name: str, stage: StageRecipe, wiring: dict[str, Any], label: str | None = None,
+                     owner: str | None = None) -> None:
+    """Run a registered recipe from its YAML + the stage's overrides (merged key by key) + the flywheel's wiring."""
+    run_stage_config(name, stage_config(name, label or name, stage.recipe, stage.overrides, wiring, owner))
+
+
+def run_stage_config(name: str, config: BaseModel) -> None:
     code = run_recipe(name, config)
     if code == EXIT_RESUMABLE:
         raise StageInterrupted(f"{name} was preempted; rerun the same command to resume")
@@ -157,9 +166,27 @@ def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Pa
     return _run_and_list("grpo", spec, wiring, out)
 
 
+def stage_dpo(stage: StageRecipe, wiring: dict[str, Any], out: Path, hint: tuple[str, str], label: str = "dpo",
+              owner: str | None = None) -> dict[str, Any]:
+    """DPO on the round's pairs, or the record of why not (``skipped_dpo``): fewer pairs in ``data.train`` than
+    the stage's ``dpo.min_pairs``, counted here or, after tokenisation dropped some, by ``posttrain dpo``."""
+    from posttrain.train.pairs import TooFewPairs
+
+    config = stage_config("dpo", label, stage.recipe, stage.overrides, {**wiring, "output_dir": str(out)}, owner)
+    pairs, minimum = count_pairs(Path(config.data.train)), config.dpo.min_pairs
+    if pairs < minimum:
+        return skipped_dpo(pairs, minimum, *hint)
+    try:
+        run_stage_config("dpo", config)
+    except TooFewPairs as exc:
+        return skipped_dpo(exc.pairs, minimum, *hint)
+    return {"files": sorted(p.name for p in out.iterdir())}
+
+
 def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path,
                   pairs: list[tuple[str, str]] | None = None) -> dict[str, Any]:
-    """Paired comparisons ``base->new`` of the evaluated models (default: round 1's)."""
+    """Paired comparisons ``base->new`` of the evaluated models (default: round 1's, each model against the one
+    it was trained from, and base against DPO; without DPO, when its stage was skipped)."""
     from posttrain.eval.stats import compare_results
 
     def load(name: str) -> dict:
@@ -167,7 +194,9 @@ def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path,
 
     comparisons = {}
     if pairs is None:
-        pairs = [("base", "sft"), ("sft", "dpo"), ("base", "dpo")] + ([("dpo", "grpo")] if "grpo" in evals else [])
+        pairs = [("base", "sft")] + ([("sft", "dpo"), ("base", "dpo")] if "dpo" in evals else [])
+        if "grpo" in evals:
+            pairs.append(("dpo" if "dpo" in evals else "sft", "grpo"))
     for base, new in pairs:
         result = compare_results(load(base), load(new), n_perm=config.eval.n_perm,
                                  seed=config.seed)
@@ -180,6 +209,7 @@ def stage_compare(evals: dict[str, str], config: FlywheelRecipe, out: Path,
 def run_flywheel(config: FlywheelRecipe) -> int:
     if config.threads:
         configure_threads(config.threads)
+    resolve_stages(config)  # a stage whose overrides make no valid config stops the run now (exit 2), not mid-round
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     runner = StageRunner(run_dir)
@@ -206,23 +236,25 @@ def run_flywheel(config: FlywheelRecipe) -> int:
             dump["base"].pop("model")
         data = runner.run("data", data_key, [], lambda out: stage_data(config, out))
         base = runner.run("base", dump["base"], ["data"], lambda out: stage_base(config, data, out))
-        def recipe_stage(name: str, depends_on: list[str], wiring: Callable[[Path], dict[str, Any]]) -> None:
-            """A stage that runs the registered recipe ``name`` into its own stage directory."""
-            stage: StageRecipe = getattr(config, name)
-            runner.run(name, dump[name], depends_on,
-                       lambda out: _run_and_list(name, stage, {**wiring(out), "output_dir": str(out)}, out))
+        stages = round_one_stages(config, data, base)
 
-        sft_model = str(run_dir / "sft" / "final")
-        recipe_stage("curate", ["data"], lambda out: {"data.input": data["raw"]})
-        recipe_stage("sft", ["base", "curate"],
-                     lambda out: {"model.path": base["model"], "data.train": str(run_dir / "curate" / "kept.jsonl")})
-        recipe_stage("sample", ["sft", "data"], lambda out: {"data.input": data["prompts"], "policy.path": sft_model})
-        recipe_stage("dpo", ["sft", "sample"],
-                     lambda out: {"model.path": sft_model, "data.train": _pairs(run_dir), "data.eval": None})
-        models = {"base": base["model"], "sft": sft_model, "dpo": str(run_dir / "dpo" / "final")}
+        def recipe_stage(name: str, depends_on: list[str]) -> dict[str, Any]:
+            """A stage that runs the registered recipe ``name`` into its own stage directory."""
+            stage, wiring = stages[name]
+            return runner.run(name, dump[name], depends_on, lambda out: _run_and_list(name, stage, wiring, out))
+
+        recipe_stage("curate", ["data"])
+        recipe_stage("sft", ["base", "curate"])
+        recipe_stage("sample", ["sft", "data"])
+        dpo = recipe_stage("dpo", ["sft", "sample"])
+        models = {"base": base["model"], "sft": str(run_dir / "sft" / "final")}
+        if dpo.get("skipped"):
+            runner.log(f"dpo: no DPO model this round. {dpo['skipped']}")
+        else:
+            models["dpo"] = str(run_dir / "dpo" / "final")
         if config.grpo is not None and config.grpo.enabled:
-            runner.run("grpo", dump["grpo"], ["dpo", "data"],
-                       lambda out: stage_grpo(config, data, models["dpo"], out))
+            start = round_one_stages(config, data, base, dpo_trained="dpo" in models)["grpo"][1]["model.path"]
+            runner.run("grpo", dump["grpo"], ["dpo", "data"], lambda out: stage_grpo(config, data, start, out))
             models["grpo"] = str(run_dir / "grpo" / "final")
         evals = {}
         for label, model_path in models.items():
@@ -252,7 +284,7 @@ def _later_rounds(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, mo
     """Rounds 2..N, each from the previous round's final model; then ``rounds.json`` for the report."""
     from posttrain.flywheel.rounds import run_next_round, write_rounds_index
 
-    final = "grpo" if "grpo" in models else "dpo"
+    final = list(models)[-1]  # grpo, else dpo, else sft when the DPO stage was skipped
     rounds = [{"round": 1, "dir": ".", "models": list(models), "final": final, "label": f"round1/{final}",
                "model": models[final], "stage": final, "results": evals[final]}]
     for round_index in range(2, config.rounds + 1):
@@ -261,12 +293,10 @@ def _later_rounds(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, mo
     write_rounds_index(run_dir, rounds, config, stage_compare)
 
 
-def _pairs(run_dir: Path) -> str:
-    return require_pairs(run_dir / "sample" / "preferences.jsonl",
-                         "rejection sampling produced no preference pairs (no prompt had both a better and a worse "
-                         "sample); raise data.rl_prompts or the sample stage's sampling.n / temperature")
-
-
-def _run_and_list(name: str, stage: StageRecipe, wiring: dict[str, Any], out: Path) -> dict[str, Any]:
-    run_stage_recipe(name, stage, wiring)
+def _run_and_list(name: str, stage: StageRecipe, wiring: dict[str, Any], out: Path, label: str | None = None,
+                  owner: str | None = None, hint: tuple[str, str] = ROUND_ONE_PAIRS_HINT) -> dict[str, Any]:
+    """Run stage ``name`` (a DPO stage through ``stage_dpo``); its outputs: the files it wrote."""
+    if name == "dpo":
+        return stage_dpo(stage, wiring, out, hint, label or name, owner)
+    run_stage_recipe(name, stage, wiring, label, owner)
     return {"files": sorted(p.name for p in out.iterdir())}

@@ -84,8 +84,18 @@ class StageInputError(ValueError):
     """A stage's input cannot be used as configured (exit 2 with one line saying what to change)."""
 
 
-def require_pairs(path: Path, why: str) -> str:
-    """``path`` when it holds preference pairs; else stop before DPO with ``why`` (what to change)."""
-    if not path.exists() or not path.read_text().strip():
-        raise StageInputError(f"{path}: {why}")
-    return str(path)
+def count_pairs(path: Path) -> int:
+    """The preference pairs in a JSONL file (its non-blank lines; 0 when rejection sampling wrote none)."""
+    if not path.exists():
+        return 0
+    with path.open(encoding="utf-8") as handle:
+        return sum(1 for line in handle if line.strip())
+
+
+def skipped_dpo(pairs: int, minimum: int, more: str, lower: str) -> dict[str, Any]:
+    """The outputs of a DPO stage that did not train: fewer pairs than ``dpo.min_pairs``. The round goes on
+    without a DPO model, and the report shows ``skipped`` where the SFT → DPO comparison would be.
+    ``more``: how to get more pairs; ``lower``: where to lower the minimum (no help when there are none)."""
+    fix = f"{more}, or lower {lower} to train on them knowingly" if pairs else more
+    return {"skipped": f"DPO skipped: {pairs} pairs, fewer than dpo.min_pairs={minimum}; {fix}",
+            "pairs": pairs, "min_pairs": minimum}

@@ -19,8 +19,10 @@ def _notes(notes: list[str]) -> str:
 
 
 def _scores_body(scores: dict[str, Any], comparisons: dict[str, Any],
-                 marked: dict[str, set[str]] | None = None) -> str:
-    body = tables.scores_table(scores) if scores else ""
+                 marked: dict[str, set[str]] | None = None, skipped: dict[str, str] | None = None) -> str:
+    # A stage that did not train has no model to score: say why where its comparison would be.
+    body = "".join(f'<p class="skipped"><b>{esc(why)}</b></p>' for why in (skipped or {}).values())
+    body += tables.scores_table(scores) if scores else ""
     if comparisons:
         body += "<h4>Paired comparisons</h4>" + tables.comparisons_table(comparisons, marked)
         body += tables.reading_the_verdicts()
@@ -117,7 +119,8 @@ def eval_page(path: Path, shown_as: str | None = None) -> tuple[Page, dict[str, 
 def _round_sections(page: Page, data: dict[str, Any], prefix: str, level: int) -> None:
     """A round's own report: its scores and comparisons, funnel, feedback counts, training curves."""
     charts = [(f"{prefix}scores", figures.scores_figure(data["scores"]))] if data["scores"] else []
-    page.add("Scores", _scores_body(data["scores"], data["comparisons"]), charts, level=level)
+    page.add("Scores", _scores_body(data["scores"], data["comparisons"], skipped=data.get("skipped")), charts,
+             level=level)
     if data.get("feedback"):
         rows = [[esc(stage), esc(", ".join(f"{k} {v}" for k, v in counts.items()) or "–")]
                 for stage, counts in data["feedback"].items()]
@@ -170,8 +173,11 @@ def flywheel_page(run_dir: Path, timings: dict[str, float] | None = None, models
     data = _shown(collect.flywheel_run(run_dir, models), shown_as)
     if timings:
         data["timings_s"] = timings
-    data["summary"] = [f"{name}: {line}" for name, comparison in data["comparisons"].items()
-                       for line in comparison.get("summary", [])]
+    data["summary"] = list((data.get("skipped") or {}).values())
+    data["summary"] += [f"{name}: {line}" for name, comparison in data["comparisons"].items()
+                        for line in comparison.get("summary", [])]
+    data["summary"] += [f"round {entry['round']}: {why}" for entry in (data.get("rounds") or [])[1:]
+                        for why in (entry["figures"].get("skipped") or {}).values()]
     data["summary"] += [f"{name}: {line}" for name, comparison in (data.get("across") or {}).items()
                         for line in comparison.get("summary", [])]
     data["reading_the_verdicts"] = tables.READING_THE_VERDICTS

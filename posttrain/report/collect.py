@@ -211,9 +211,13 @@ def _numbers(outputs: dict[str, Any]) -> dict[str, Any]:
 
 def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str, Any]:
     """One flywheel round's directory: its funnels, the curves of its training stages, the scores of its
-    models and their paired comparisons, the stage times and (round ≥ 2) the feedback stages' counts."""
+    models and their paired comparisons, the stage times, (round ≥ 2) the feedback stages' counts, and the
+    training stages that did not train, with why (``skipped``: a DPO stage below ``dpo.min_pairs``)."""
     notes: list[str] = []
+    skipped = {stage: outputs["skipped"] for stage in TRAINING_STAGES
+               if isinstance(outputs := stage_outputs(round_dir / stage), dict) and outputs.get("skipped")}
     models = list(models) if models else round_models(round_dir)
+    models = [m for m in models if m not in skipped]  # an eval_<stage> left from an earlier run that did train
     evals = {m: read_json(round_dir / f"eval_{m}" / "results.json") for m in models}
     models = [m for m in models if evals[m] is not None]
     comparisons = read_json(round_dir / "compare" / "comparisons.json") or {}
@@ -223,7 +227,7 @@ def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str
         "sample_funnel": read_json(round_dir / "sample" / "funnel.json"),
     }
     for stage in TRAINING_STAGES:
-        data[stage] = training_series(round_dir / stage, notes)
+        data[stage] = None if stage in skipped else training_series(round_dir / stage, notes)
     feedback = {stage: _numbers(outputs) for stage in FEEDBACK_STAGES
                 if (outputs := stage_outputs(round_dir / stage)) is not None}
     data.update({
@@ -232,6 +236,7 @@ def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str
         "comparisons": {name: slim_comparison(result) for name, result in comparisons.items()},
         "timings_s": stage_timings(round_dir),
         "feedback": feedback or None,
+        "skipped": skipped,
         "notes": notes,
     })
     return data

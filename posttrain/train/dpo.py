@@ -3,7 +3,9 @@
 setup → reference → train → evaluate → export:
 
 1. read and tokenise the pairs (bad records raise or are quarantined; pairs that truncation spoils are
-   dropped with a reason; ``pairs.jsonl`` lists every pair used, with the annotator's rationale);
+   dropped with a reason; ``pairs.jsonl`` lists every pair used, with the annotator's rationale); fewer
+   than ``dpo.min_pairs`` stop here, before any model loads (``TooFewPairs``, exit 2), and the passes over
+   a tiny set are capped (``cap_tiny_set``);
 2. reference log-probs: precomputed once and cached (``posttrain.train.reference``; the reference model
    is freed before the policy is even loaded), or a live reference kept beside the policy, or none.
    With ``model.lora`` (and no other ``dpo.reference_model``) no reference model is loaded at all: the
@@ -42,9 +44,12 @@ from posttrain.models.lora import adapter_disabled
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.pairs import (
+    TINY_SET_EPOCHS,
+    TINY_SET_PAIRS,
     PairData,
     PairLogprobModel,
     TokenizedPair,
+    TooFewPairs,
     collate_pairs,
     model_inputs,
     pair_summary,
@@ -94,6 +99,27 @@ def load_live_reference(spec: ReferenceSpec) -> PairLogprobModel:
     lm.config.use_cache = False
     lm.eval().requires_grad_(False)
     return PairLogprobModel(lm, chunk_size=spec.chunk_size)
+
+
+def check_pair_count(config: DPORecipe, pairs: int) -> None:
+    """Stop below ``dpo.min_pairs``; over a tiny set (a lowered minimum) cap the passes over it at
+    ``TINY_SET_EPOCHS``, shortening ``train.max_steps`` (or ``train.epochs``) with a warning line."""
+    if pairs < config.dpo.min_pairs:
+        raise TooFewPairs(config.data.train, pairs, config.dpo.min_pairs)
+    train = config.train
+    planned = train.max_steps * train.global_batch if train.max_steps is not None else (train.epochs or 1.0) * pairs
+    if pairs >= TINY_SET_PAIRS or planned <= TINY_SET_EPOCHS * pairs:
+        return
+    if train.max_steps is not None:
+        asked = f"train.max_steps={train.max_steps} × {train.global_batch}"
+        train.max_steps = max(1, TINY_SET_EPOCHS * pairs // train.global_batch)  # at least one full step
+        capped = f"train.max_steps={train.max_steps}"
+    else:
+        capped, asked = f"train.epochs={TINY_SET_EPOCHS}", f"train.epochs={train.epochs:g}"
+        train.epochs = float(TINY_SET_EPOCHS)
+    say(f"warning: only {pairs} pairs (fewer than {TINY_SET_PAIRS}): {asked} would pass over them "
+        f"{planned / pairs:.0f} times, which memorises them; capped at {TINY_SET_EPOCHS} passes: {capped}. "
+        "Add pairs rather than steps")
 
 
 def build_units(config: DPORecipe, pairs: list[TokenizedPair]) -> list[TokenizedPair]:
@@ -338,6 +364,7 @@ def run_dpo(config: DPORecipe) -> int:
         tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
         pad_id = tokenizer.pad_token_id
         train_data = read_pairs(config, config.data.train, tokenizer, "")
+        check_pair_count(config, len(train_data.pairs))
         eval_data = read_pairs(config, config.data.eval, tokenizer, "-eval") if config.data.eval else None
         adapter_reference = uses_adapter_reference(config)
         if not adapter_reference:

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from posttrain import dist
+from posttrain.data.errors import DataError
 from posttrain.data.io import write_jsonl as write_rows
 from posttrain.data.records import PreferencePair
 from posttrain.data.tokenize import TokenizedExample, tokenize_preference
@@ -33,6 +34,12 @@ from posttrain.models.attention import compute_dtype
 from posttrain.models.logprobs import IGNORE_INDEX, POSITION_KEYS, chunked_token_logprobs, per_sequence_sum
 from posttrain.progress import progress
 from posttrain.store.run_store import working_dir
+
+# Below ``dpo.min_pairs`` DPO stops (see ``TooFewPairs``); over fewer than TINY_SET_PAIRS (a lowered minimum)
+# it passes over the set at most TINY_SET_EPOCHS times: 80 steps over 5 pairs are 128 passes, which memorise
+# the pairs and make any held-out gain noise.
+TINY_SET_PAIRS = 64
+TINY_SET_EPOCHS = 4
 
 NO_RESPONSE_LEFT = "no response tokens left after truncation"
 IDENTICAL_AFTER_TRUNCATION = "chosen and rejected are identical after truncation"
@@ -165,6 +172,21 @@ def tokenize_pairs(
     return PairData(pairs, dropped, dropped_ids, truncated)
 
 
+class TooFewPairs(DataError):
+    """Fewer usable training pairs than ``dpo.min_pairs`` (exit 2; a flywheel skips its DPO stage instead)."""
+
+    def __init__(self, path: str, pairs: int, minimum: int):
+        self.pairs, self.minimum = pairs, minimum
+        super().__init__(path, None, None, (
+            f"only {pairs} preference pairs, fewer than dpo.min_pairs={minimum}: DPO over so few memorises them "
+            f"and its held-out gain is noise. Add pairs (more prompts, more samples per prompt), or set "
+            f"dpo.min_pairs={max(pairs, 1)} to train on these knowingly (over fewer than {TINY_SET_PAIRS} pairs "
+            f"the passes are then capped at {TINY_SET_EPOCHS})"))
+
+    def __reduce__(self):  # rebuilt from its own parts when pickled to another rank (as DataError is)
+        return TooFewPairs, (self.path, self.pairs, self.minimum)
+
+
 def read_pairs(config, path: str, tokenizer, quarantine_suffix: str) -> PairData:
     """Read preference records (bad ones raise or are quarantined with a reason) and tokenise them.
 
@@ -189,8 +211,6 @@ def read_pairs(config, path: str, tokenizer, quarantine_suffix: str) -> PairData
         f"{config.data.truncation_side})"
     )
     if not data.pairs:
-        from posttrain.data.errors import DataError
-
         raise DataError(path, None, None, f"no pair is usable after tokenisation at train.max_length="
                         f"{config.train.max_length} ({dict(data.dropped)}); raise train.max_length")
     return data

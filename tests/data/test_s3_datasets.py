@@ -195,7 +195,7 @@ def test_resume_refuses_when_a_shard_changed(tiny_model_dir, s3_bucket, tmp_path
 
 def test_pretrain_dpo_rm_and_grpo_read_s3_data(tiny_model_dir, s3_bucket, tmp_path):
     from tests.rl.conftest import grpo_overrides
-    from tests.train_preference.conftest import dpo_overrides, preference_rows
+    from tests.train_preference.conftest import dpo_overrides, preference_rows, rm_overrides
 
     texts = [{"text": f"Document {i}: the answer is {i * 7}."} for i in range(16)]
     put(f"{s3_bucket}/pt/a.jsonl", lines(texts[:8]))
@@ -208,7 +208,7 @@ def test_pretrain_dpo_rm_and_grpo_read_s3_data(tiny_model_dir, s3_bucket, tmp_pa
                   read_records_from_rows(pairs, tmp_path / "pairs.jsonl", "preference"))
     pref = {"train": f"{s3_bucket}/pref/train.parquet"}
     assert cli("dpo", *dpo_overrides(tiny_model_dir, pref, tmp_path / "dpo", **steps)) == 0
-    assert cli("rm", *dpo_overrides(tiny_model_dir, pref, tmp_path / "rm", **steps)) == 0
+    assert cli("rm", *rm_overrides(tiny_model_dir, pref, tmp_path / "rm", **steps)) == 0
     assert cli("data", "tasks", "rl", f"{s3_bucket}/rl/prompts.jsonl.gz", "-n", "8", "--group", "reasoning") == 0
     assert cli("grpo", *grpo_overrides(tiny_model_dir, f"{s3_bucket}/rl/prompts.jsonl.gz", tmp_path / "grpo",
                                        **steps)) == 0

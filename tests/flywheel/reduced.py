@@ -25,8 +25,9 @@ def reduced_recipe(run_dir: Path, **changes) -> Path:
     # A barely trained model rarely gets an answer right: any score gap makes a pair here.
     recipe["sample"]["overrides"].update({"sampling.n": 4, "sampling.max_new_tokens": 6, "sampling.batch_size": 32,
                                           "pair_margin": 0.0})
+    # A few dozen prompts give a few pairs: below the default dpo.min_pairs, which would skip DPO.
     recipe["dpo"]["overrides"].update({"train.max_steps": 2, "train.batch_size": 2, "train.log_every": 1,
-                                       "train.save_every": None})
+                                       "train.save_every": None, "dpo.min_pairs": 1})
     recipe["eval"] = {"n_per_cell": 2, "max_new_tokens": 6, "batch_size": 32, "n_boot": 200, "n_perm": 200}
     for key, value in changes.items():
         recipe[key] = value

@@ -19,7 +19,7 @@ from posttrain.eval.stats import capability_scores, compare_results
 from posttrain.report import figures
 from tests.flywheel.test_report_browser import render
 from tests.rl.conftest import grpo_overrides, rl_data  # noqa: F401 - fixture
-from tests.train_preference.conftest import dpo_overrides, pref_data, pref_model_dir  # noqa: F401 - fixtures
+from tests.train_preference.conftest import pref_data, pref_model_dir, rm_overrides  # noqa: F401 - fixtures
 
 
 def report(path: Path, out: Path, capsys) -> dict:
@@ -110,8 +110,8 @@ def test_accuracy_axes_are_capped_at_one():
 
 def test_reward_model_and_grpo_runs(pref_model_dir, pref_data, rl_data, tiny_model_dir, tmp_path, capsys):  # noqa: F811
     rm_dir = tmp_path / "rm"
-    assert main(["rm", *dpo_overrides(pref_model_dir, pref_data, rm_dir, **{"train.max_steps": 2,
-                                                                            "train.eval_every": 1})]) == 0
+    assert main(["rm", *rm_overrides(pref_model_dir, pref_data, rm_dir, **{"train.max_steps": 2,
+                                                                           "train.eval_every": 1})]) == 0
     numbers = report(rm_dir, tmp_path / "rm.html", capsys)
     logged = [json.loads(line) for line in (rm_dir / "metrics.jsonl").read_text().splitlines()]
     assert numbers["kind"] == "rm"

@@ -101,18 +101,18 @@ def test_a_missing_user_file_is_one_line_and_exit_2(tmp_path, capsys):
     assert "nope.jsonl does not exist" in capsys.readouterr().err
 
 
-def test_no_preference_pairs_stops_before_dpo_with_what_to_change(tmp_path, capsys):
-    from posttrain.cli import report_failure
-    from posttrain.flywheel.stages import StageInputError, require_pairs
+def test_no_preference_pairs_skip_dpo_with_what_to_change(tmp_path):
+    """Zero pairs (an empty or missing file) no longer stop the round: the DPO stage records why it did not train."""
+    from posttrain.flywheel.config import StageRecipe
+    from posttrain.flywheel.run import stage_dpo
 
     empty = tmp_path / "preferences.jsonl"
-    empty.write_text("")
-    try:
-        require_pairs(empty, "raise next_round.rl_prompts")
-    except StageInputError as exc:
-        assert report_failure(exc, debug=False) == 2
-    else:
-        raise AssertionError("an empty pair set must stop the round")
-    assert "raise next_round.rl_prompts" in capsys.readouterr().err
-    (tmp_path / "more.jsonl").write_text('{"prompt": "p", "chosen": "a", "rejected": "b"}\n')
-    assert require_pairs(tmp_path / "more.jsonl", "unused") == str(tmp_path / "more.jsonl")
+    empty.write_text("\n")
+    stage = StageRecipe(recipe="dpo_tiny", overrides={"dpo": {"min_pairs": 2}})
+    for path in (empty, tmp_path / "missing.jsonl"):
+        out = tmp_path / "dpo"
+        out.mkdir(exist_ok=True)
+        outputs = stage_dpo(stage, {"data.train": str(path)}, out, ("raise next_round.rl_prompts", "unused"))
+        assert outputs["pairs"] == 0 and outputs["min_pairs"] == 2
+        assert outputs["skipped"] == "DPO skipped: 0 pairs, fewer than dpo.min_pairs=2; raise next_round.rl_prompts"
+        assert not (out / "config.yaml").exists()  # DPO never started

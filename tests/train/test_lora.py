@@ -161,7 +161,7 @@ def test_the_packaged_lora_recipes_train(recipe, tiny_model_dir, sft_data, tmp_p
     assert config.model.lora is not None and config.model.lora.quantize == "none"
     if kind == "dpo":
         data = [f"data.train={write_jsonl(tmp_path / 'pairs.jsonl', preference_rows(16, seed=0))}", "data.eval=null",
-                f"dpo.reference_cache_dir={tmp_path / 'cache'}"]
+                f"dpo.reference_cache_dir={tmp_path / 'cache'}", "dpo.min_pairs=16"]  # few pairs on purpose
     else:
         data = [f"data.train={sft_data}"]
     out = tmp_path / "run"

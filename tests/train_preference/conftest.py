@@ -80,11 +80,17 @@ def dpo_overrides(model: str, data: dict[str, str], out: Path, **extra) -> list[
         "train.lr_schedule": "constant",
         "train.seed": 0,
         "metrics.tensorboard": "false",
+        "dpo.min_pairs": 1,  # the sets here are a few pairs; test_dpo_min_pairs tests the minimum
     }
     if data.get("eval"):
         settings["data.eval"] = data["eval"]
     settings.update(extra)
     return [f"{k}={v}" for k, v in settings.items()]
+
+
+def rm_overrides(model: str, data: dict[str, str], out: Path, **extra) -> list[str]:
+    """``dpo_overrides`` for ``posttrain rm``: the same keys, without ``dpo.min_pairs`` (rm has no ``dpo:``)."""
+    return [item for item in dpo_overrides(model, data, out, **extra) if not item.startswith("dpo.min_pairs=")]
 
 
 def run_cli(command: str, overrides: list[str]) -> int:

@@ -20,7 +20,14 @@ from posttrain.models.lora import apply_lora
 from posttrain.train.pairs import PairLogprobModel, collate_pairs, model_inputs, split_pairs, tokenize_pairs
 from posttrain.train.reference import ReferenceSpec, compute_reference_logps
 from tests.train.conftest import ROOT, env
-from tests.train_preference.conftest import dpo_overrides, preference_rows, read_jsonl, run_cli, write_jsonl
+from tests.train_preference.conftest import (
+    dpo_overrides,
+    preference_rows,
+    read_jsonl,
+    rm_overrides,
+    run_cli,
+    write_jsonl,
+)
 
 LORA = {"model.lora.r": 4, "model.lora.alpha": 8, "train.lr": 5e-3}
 
@@ -88,7 +95,7 @@ def test_a_lora_reward_model_trains_its_score_head_in_full(pref_model_dir, pref_
 
     out = tmp_path / "rm"
     extra = {**LORA, "train.max_steps": 4, "train.save_every": 2}
-    assert run_cli("rm", dpo_overrides(pref_model_dir, pref_data, out, **extra)) == 0
+    assert run_cli("rm", rm_overrides(pref_model_dir, pref_data, out, **extra)) == 0
     key = "model.lm.base_model.model.score.modules_to_save.default.weight"
     keys = list(FileSystemReader(str(out / "checkpoints" / "step-000004")).read_metadata().state_dict_metadata)
     assert key in keys and f"optim.state.{key.removeprefix('model.')}.exp_avg" in keys

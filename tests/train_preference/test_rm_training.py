@@ -12,7 +12,7 @@ from posttrain.models.load import load_tokenizer
 from posttrain.train.pairs import tokenize_pairs
 from posttrain.train.reward_model import holdout_split
 from posttrain.train.reward_scorer import load_reward_scorer
-from tests.train_preference.conftest import dpo_overrides, preference_rows, read_jsonl, run_cli, write_jsonl
+from tests.train_preference.conftest import preference_rows, read_jsonl, rm_overrides, run_cli, write_jsonl
 
 
 def test_reward_model_reaches_90_percent_held_out_and_scores_after_export(pref_model_dir, tmp_path):
@@ -22,7 +22,7 @@ def test_reward_model_reaches_90_percent_held_out_and_scores_after_export(pref_m
     out = tmp_path / "rm"
     # The default health guard lets the learning phase of a tiny run through (no skipped update, below).
     extra = {"train.max_steps": 24, "train.lr": 1e-3}
-    assert run_cli("rm", dpo_overrides(pref_model_dir, data, out, **extra)) == 0
+    assert run_cli("rm", rm_overrides(pref_model_dir, data, out, **extra)) == 0
     result = json.loads((out / "eval.json").read_text())
     assert result["after"]["accuracy"] >= 0.9 and result["after"]["pairs"] == 64
     assert result["after"]["loss"] < result["before"]["loss"]
