@@ -6,7 +6,6 @@ import argparse
 
 from posttrain.k8s.options import (
     DEFAULT_GRACE_PERIOD_S,
-    DEFAULT_IMAGE,
     DEFAULT_METRICS_PORT,
     KINDS,
     RDZV_PORT,
@@ -20,6 +19,10 @@ Every node runs `posttrain launch` (torchrun, elastic over --min-nodes..--nodes)
 store served by a small coordinator Deployment on on-demand nodes (Service <name>-rdzv:{RDZV_PORT}), so
 losing spot nodes never loses the rendezvous. --spot-workers K of the N nodes go on spot capacity.
 Exit 75 (preempted or stalled, checkpoint saved) restarts the pod without counting a failure.
+
+The pods read nothing from this machine: --image is the image you built and pushed, output_dir is a URL, and
+every path in the recipe (model.path, data.train, data.eval, ...) must be a URL (s3://...) or a hub id; a
+local path stops the render naming its key, unless --allow-local-paths says it is baked into the image.
 
 Files written to --out (or printed to stdout as one stream when --out is not given):
   common.yaml       recipe ConfigMap, coordinator Deployment + Service
@@ -47,8 +50,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     run.add_argument("--name", help="prefix of every object's name and the rendezvous id (default: "
                      "posttrain-<recipe>; lowercase, digits and '-', at most 40 characters)")
     run.add_argument("--namespace", help="metadata.namespace of every object (default: none; kubectl's -n decides)")
-    run.add_argument("--image", default=DEFAULT_IMAGE, help=f"container image (default: {DEFAULT_IMAGE}; "
-                     "see the Dockerfile)")
+    run.add_argument("--image", default="", metavar="IMAGE",
+                     help="required: the container image you built from the repository's Dockerfile and pushed "
+                     "where the cluster pulls from, e.g. ghcr.io/ORG/posttrain:TAG (posttrain publishes no image, "
+                     "so there is no default; docs/kubernetes.md, \"The image\")")
+    run.add_argument("--allow-local-paths", action="store_true",
+                     help="keep paths of this machine in the recipe (model.path, data.train, ...) instead of "
+                     "refusing them, for files baked into the image: each is warned about and must exist at that "
+                     "path inside it. Without it, every path a pod cannot reach stops the render (use s3://... "
+                     "URLs or hub ids)")
     nodes = parser.add_argument_group("nodes and capacity")
     nodes.add_argument("--nodes", type=int, required=True, help="N: the nodes the run trains on (the most)")
     nodes.add_argument("--gpus-per-node", type=int, required=True,
@@ -120,7 +130,7 @@ def options_from_args(args: argparse.Namespace):
         signing_secret=args.signing_secret,
         output_dir=args.output_dir, cpu=args.cpu, memory=args.memory, shm_size=args.shm_size,
         metrics_port=args.metrics_port, max_restarts=args.max_restarts, backoff_limit=args.backoff_limit,
-        podmonitor=args.podmonitor, plan=args.plan)
+        podmonitor=args.podmonitor, plan=args.plan, allow_local_paths=args.allow_local_paths)
 
 
 def _render(args: argparse.Namespace) -> int:

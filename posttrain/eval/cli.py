@@ -14,6 +14,12 @@ import sys
 from pathlib import Path
 
 from posttrain.generate.cli import add_sampling_arguments, backend_from_args, sampling_from_args
+from posttrain.generate.prompts import (
+    PromptFormatError,
+    add_prompt_format_argument,
+    describe_prompt_format,
+    prompt_format_of_model,
+)
 
 LM_EVAL_HINT = (
     "posttrain eval --lm-eval needs lm-evaluation-harness, which is not installed.\n"
@@ -35,8 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("-o", "--output", help="results JSON (default: print the summary only)")
     parser.add_argument("--n-boot", type=int, default=1000, help="bootstrap replicates for the 95%% CIs")
     parser.add_argument("--stats-seed", type=int, default=0, help="seed of the bootstrap")
-    parser.add_argument("--raw-prompts", action="store_true",
-                        help="send string prompts as raw text instead of a user turn through the chat template")
+    add_prompt_format_argument(parser, legacy_flag="--raw-prompts", legacy_value="raw")
     parser.add_argument("--allow-missing", action="store_true", help="score items without an output as 0")
     parser.add_argument("--allow-unsandboxed-code", action="store_true",
                         help="run code tasks even where they cannot be isolated (eval.allow_unsandboxed_code)")
@@ -89,7 +94,18 @@ def _run(args: argparse.Namespace) -> int:
     from posttrain.eval.items import load_suite
     from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable
 
+    if args.outputs and args.prompt_format != "auto":
+        return _fail(f"--prompt-format {args.prompt_format} applies when generating with --model; --outputs were "
+                     "written elsewhere, from prompts this command never sees")
     suite = load_suite(args.suite)
+    prompt_format = None
+    if args.model:
+        try:
+            prompt_format = prompt_format_of_model(args.model, args.prompt_format)
+        except PromptFormatError as exc:
+            return _fail(str(exc))
+        # First, before the weights load: the score is of the prompts as the model saw them.
+        print(f"posttrain eval: {describe_prompt_format(prompt_format, args.prompt_format)}", file=sys.stderr)
     limits = SandboxLimits(timeout_s=args.code_timeout, cpu_s=max(1, int(args.code_timeout)),
                            memory_mb=args.code_memory_mb)
     params = sampling_from_args(args)
@@ -100,7 +116,8 @@ def _run(args: argparse.Namespace) -> int:
     try:
         results = evaluate(
             source, suite, params,
-            batch_size=args.batch_size, n_boot=args.n_boot, seed=args.stats_seed, chat=not args.raw_prompts,
+            batch_size=args.batch_size, n_boot=args.n_boot, seed=args.stats_seed,
+            prompt_format=prompt_format or "auto",
             allow_missing=args.allow_missing, allow_unsandboxed_code=args.allow_unsandboxed_code,
             sandbox_limits=limits, code_workers=args.code_workers, model_name=args.model,
             progress=not args.quiet,

@@ -24,6 +24,7 @@ from posttrain.eval.sandbox import SandboxLimits, SandboxUnavailable, sandbox_su
 from posttrain.eval.stats import capability_scores
 from posttrain.eval.verifiers import VerifyResult, VerifySettings, verify
 from posttrain.generate.engine import Backend, SamplingParams
+from posttrain.generate.prompts import apply_prompt_format, resolve_prompt_format
 from posttrain.progress import progress as progress_bar
 
 
@@ -59,11 +60,12 @@ def _safe_verify(item: EvalItem, output: str, settings: VerifySettings) -> tuple
         return VerifyResult(0.0, False, f"verifier error: {type(exc).__name__}: {exc}"), True
 
 
-def _generate(backend: Backend, suite: Suite, params: SamplingParams, batch_size: int, chat: bool,
+def _generate(backend: Backend, suite: Suite, params: SamplingParams, batch_size: int, prompt_format: str,
               progress: bool) -> tuple[dict[str, str], dict[str, str]]:
     if params.n != 1:
         raise ValueError(f"evaluation scores one output per item; got n={params.n}")
-    prompts = [item.prompt_messages() if chat else item.prompt_text() for item in suite.items]
+    # The same rule as `posttrain generate` (posttrain.generate.prompts), so a prompt file reads the same on both.
+    prompts = apply_prompt_format([item.prompt for item in suite.items], prompt_format)
     completions = backend.generate(prompts, params, batch_size=batch_size, progress=progress)
     outputs = {item.id: c[0].text for item, c in zip(suite.items, completions, strict=True)}
     reasons = {item.id: c[0].finish_reason for item, c in zip(suite.items, completions, strict=True)}
@@ -78,7 +80,7 @@ def evaluate(
     batch_size: int = 8,
     n_boot: int = 1000,
     seed: int = 0,
-    chat: bool = True,
+    prompt_format: str = "auto",
     allow_missing: bool = False,
     allow_unsandboxed_code: bool = False,
     sandbox_limits: SandboxLimits | None = None,
@@ -89,6 +91,9 @@ def evaluate(
 ) -> dict[str, Any]:
     """Evaluate a backend (generates with ``params``, greedy by default) or given outputs (a mapping id ->
     output, or a JSONL path) on ``suite`` (a Suite, a registered name or a file).
+
+    ``prompt_format`` (``auto``, ``chat``, ``raw``; ``posttrain.generate.prompts``): how string prompts reach the
+    backend's model; ``auto`` is the chat template when the backend's tokenizer has one.
 
     Raises SandboxUnavailable before any generation when the suite has code items, the sandbox does not
     work here and ``allow_unsandboxed_code`` is False.
@@ -106,13 +111,15 @@ def evaluate(
         )
 
     finish_reasons: dict[str, str] = {}
+    used_format = None  # only generation reads the prompts
     if isinstance(backend_or_outputs, str | Path):
         outputs = read_outputs(backend_or_outputs)
         source = f"outputs:{backend_or_outputs}"
     elif isinstance(backend_or_outputs, Mapping):
         outputs, source = {str(k): v for k, v in backend_or_outputs.items()}, "outputs"
     else:
-        outputs, finish_reasons = _generate(backend_or_outputs, suite, params, batch_size, chat, progress)
+        used_format = resolve_prompt_format(prompt_format, getattr(backend_or_outputs, "tokenizer", None))
+        outputs, finish_reasons = _generate(backend_or_outputs, suite, params, batch_size, used_format, progress)
         source = "generated"
 
     missing = [item.id for item in suite.items if item.id not in outputs]
@@ -186,7 +193,7 @@ def evaluate(
             "batch_size": batch_size,
             "n_boot": n_boot,
             "seed": seed,
-            "chat": chat,
+            "prompt_format": used_format,
             "allow_unsandboxed_code": allow_unsandboxed_code,
             "sandbox_limits": (sandbox_limits or SandboxLimits()).__dict__,
             **(config or {}),

@@ -94,11 +94,6 @@ class EvalItem(BaseModel):
             return [Message(role="user", content=self.prompt)]
         return list(self.prompt)
 
-    def prompt_text(self) -> str:
-        if isinstance(self.prompt, str):
-            return self.prompt
-        return "\n".join(f"{m.role}: {m.content}" for m in self.prompt)
-
 
 @dataclass
 class Suite:

@@ -3,10 +3,11 @@
 Prompts file: records (``.jsonl``, ``.json``, ``.parquet``, optionally ``.gz``, or a saved dataset) in any
 format posttrain reads (``prompt`` as a string or messages, a ``messages`` chat whose last assistant reply is
 left out, Alpaca, preference pairs), optionally with ``id`` (default: the line number); or any other file
-with one raw prompt per line. Chats get the model's chat template; with ``--chat`` plain-string prompts are
-sent as a user turn too. Output: one line per prompt ``{"id", "prompt", "output", "completions": [{"text",
-"finish_reason", "num_tokens"}]}`` where ``output`` is the first completion — the format
-``posttrain eval --outputs`` reads.
+with one raw prompt per line. Chats get the model's chat template; plain-string prompts are sent as a user
+turn through it too when the model has one (``--prompt-format auto``, the default, as ``posttrain eval``
+does), or as written with ``--prompt-format raw``; the first line on stderr says which. Output: one line per
+prompt ``{"id", "prompt", "output", "completions": [{"text", "finish_reason", "num_tokens"}]}`` where
+``output`` is the first completion — the format ``posttrain eval --outputs`` reads.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ from pathlib import Path
 from posttrain.data.errors import DataError
 from posttrain.data.formats import BLANK_LINE, UNKNOWN_FORMAT, FormatError, to_prompt
 from posttrain.data.records import Message
+from posttrain.generate.prompts import (
+    PromptFormatError,
+    add_prompt_format_argument,
+    apply_prompt_format,
+    describe_prompt_format,
+    prompt_format_of_model,
+)
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -33,7 +41,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="records (.jsonl/.json/.parquet: prompt / messages / id) or a text file, one prompt per line")
     parser.add_argument("-o", "--output", required=True, help="output JSONL")
     add_sampling_arguments(parser, default_temperature=1.0)
-    parser.add_argument("--chat", action="store_true", help="send plain-string prompts as a user turn (chat template)")
+    add_prompt_format_argument(parser, legacy_flag="--chat", legacy_value="chat")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     parser.set_defaults(func=_generate)
 
@@ -126,11 +134,18 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"posttrain generate: {args.prompts}: no prompts", file=sys.stderr)
         return 2
     try:
+        prompt_format = prompt_format_of_model(args.model, args.prompt_format)
+    except PromptFormatError as exc:
+        print(f"posttrain generate: {exc}", file=sys.stderr)
+        return 2
+    # First, before the weights load: how the prompts are read decides what every output means.
+    print(f"posttrain generate: {describe_prompt_format(prompt_format, args.prompt_format)}", file=sys.stderr)
+    try:
         backend = backend_from_args(args)
     except ImportError as exc:  # an optional backend that is not installed: the message says what to do
         print(f"posttrain generate: {exc}", file=sys.stderr)
         return 2
-    inputs = [[Message(role="user", content=p)] if args.chat and isinstance(p, str) else p for _, p in prompts]
+    inputs = apply_prompt_format([p for _, p in prompts], prompt_format)
     started = time.perf_counter()
     results = backend.generate(inputs, params, batch_size=args.batch_size, progress=not args.quiet)
     elapsed = time.perf_counter() - started

@@ -19,7 +19,10 @@ from posttrain import __version__
 RDZV_PORT = 29400
 DEFAULT_METRICS_PORT = 9400
 DEFAULT_GRACE_PERIOD_S = 300
-DEFAULT_IMAGE = f"ghcr.io/posttrain/posttrain:{__version__}"
+# No default image: posttrain publishes none, and a run must pull the image its user built from the Dockerfile.
+IMAGE_HINT = (f"build the Dockerfile and push it where the cluster pulls from, e.g. docker build -t "
+              f"REGISTRY/posttrain:{__version__} . && docker push REGISTRY/posttrain:{__version__} "
+              "(docs/kubernetes.md, \"The image\")")
 KINDS = ("trainjob", "pytorchjob", "both")
 RUNTIME_KINDS = ("TrainingRuntime", "ClusterTrainingRuntime")
 # Objects get suffixes (-ondemand, -spot, -rdzv, -recipe) and JobSet adds its own to pod names; 40 leaves room
@@ -74,7 +77,7 @@ class RenderOptions:
     runtime_kind: str = "TrainingRuntime"
     name: str | None = None  # default: posttrain-<recipe>
     namespace: str | None = None
-    image: str = DEFAULT_IMAGE
+    image: str = ""  # required: the image the user built (check_options says how)
     spot_selectors: tuple[CapacitySelector, ...] = field(default=(SPOT_PRESETS["karpenter"],))
     grace_period_s: int = DEFAULT_GRACE_PERIOD_S
     from_run: str | None = None
@@ -89,6 +92,7 @@ class RenderOptions:
     backoff_limit: int = 3
     podmonitor: bool = True
     plan: str | None = None  # a `posttrain plan --json` file the manifests quote (and are checked against)
+    allow_local_paths: bool = False  # keep local paths in the recipe (baked into the image) with a warning
 
     @property
     def on_demand_workers(self) -> int:
@@ -101,6 +105,9 @@ class RenderOptions:
 
 def check_options(options: RenderOptions) -> None:
     """Raise ``RenderError`` naming the flag to change when ``options`` cannot be rendered."""
+    if not options.image.strip():
+        raise RenderError(f"--image is required: the pods run the image you built; {IMAGE_HINT}, then pass "
+                          "--image REGISTRY/posttrain:TAG")
     if options.nodes < 1:
         raise RenderError(f"--nodes {options.nodes}: a run needs at least one node")
     if options.gpus_per_node < 1:

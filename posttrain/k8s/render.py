@@ -28,6 +28,7 @@ from posttrain.k8s.options import (
     measured_save_seconds,
     remote_output_dir,
 )
+from posttrain.k8s.paths import check_pod_paths
 from posttrain.k8s.pods import (
     RECIPE_FILE,
     SIGNING_KEY_ENV,
@@ -69,7 +70,8 @@ def resolve(options: RenderOptions) -> Recipe:
     else:  # recipes without the Prometheus exporter: the PodMonitor finds nothing to scrape
         print(f"posttrain k8s render: the `{name}` recipe has no {PROMETHEUS_PORT_KEY}; its pods will not serve "
               "/metrics", file=sys.stderr)
-    resolve_recipe(path, [*user, *extra])
+    _, pods_config = resolve_recipe(path, [*user, *extra])
+    check_pod_paths(pods_config, options.allow_local_paths)  # the config as the pods will read it
     return Recipe(name, path.read_text(encoding="utf-8"), (*user, *extra), output_dir)
 
 

@@ -14,7 +14,9 @@ from tests.k8s.manifests import REPO, SCHEMA_DIR, lint_errors, load_documents, s
 
 EXAMPLE_DIR = REPO / "deploy" / "k8s" / "examples" / "sft_tiny"
 EXAMPLE_ARGS = ["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8", "--spot-workers",
-                "1", "--kind", "both", "--output-dir", "s3://posttrain-runs/sft-tiny"]
+                "1", "--kind", "both", "--output-dir", "s3://posttrain-runs/sft-tiny",
+                "--image", "ghcr.io/your-org/posttrain:0.1.0",
+                "model.path=s3://posttrain-runs/models/base", "data.train=s3://posttrain-runs/data/sample_sft.jsonl"]
 REGENERATE = f"posttrain {' '.join(EXAMPLE_ARGS)} --out deploy/k8s/examples/sft_tiny"
 
 
@@ -162,5 +164,6 @@ def test_render_help_describes_every_flag():
             assert option in text
         assert " ".join(action.help.split())[:30] in text
     for flag in ("--nodes", "--gpus-per-node", "--spot-workers", "--spot-selector", "--kind", "--grace-period-s",
-                 "--from-run", "--s3-secret", "--signing-secret", "--output-dir", "--image", "--cpu", "--memory", "--out"):
+                 "--from-run", "--s3-secret", "--signing-secret", "--output-dir", "--image", "--allow-local-paths",
+                 "--cpu", "--memory", "--out"):
         assert flag in text

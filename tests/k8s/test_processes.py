@@ -59,7 +59,9 @@ dist.destroy_process_group()
 
 def test_two_agents_rendezvous_through_the_standalone_store(tmp_path):
     """Two torchrun agents (two 'nodes'), both clients of `posttrain.k8s.store`, form one 2-rank group."""
-    options = RenderOptions(config="sft_tiny", nodes=2, gpus_per_node=1, output_dir="s3://b/run")
+    options = RenderOptions(config="sft_tiny", nodes=2, gpus_per_node=1, output_dir="s3://b/run",
+                            image="registry.example.com/posttrain:test",
+                            overrides=("model.path=s3://b/base", "data.train=s3://b/train.jsonl"))
     command = launch_command(options, "test-run", resolve(options))
     torchrun_options = command[2:command.index("--")]
     port = free_port()

@@ -13,13 +13,23 @@ from posttrain.k8s.render import render, to_yaml
 from tests.k8s.manifests import lint_errors, load_documents, schema_errors
 
 OUT = "s3://bucket/runs/sft"
+IMAGE = "registry.example.com/team/posttrain:0.1.0"
+# sft_tiny's own model.path and data.train are local (runs/demo/...): the pods get URLs instead.
+REMOTE_INPUTS = ("model.path=s3://bucket/models/base", "data.train=s3://bucket/data/train.jsonl")
 KARPENTER = "karpenter.sh/capacity-type"
 GKE = "cloud.google.com/gke-spot"
 
 
+def _cli(*flags: str) -> list[str]:
+    """A CLI render with ``flags``; the overrides go last, next to any in ``flags`` (argparse takes one run)."""
+    return ["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8", "--image", IMAGE,
+            *flags, *REMOTE_INPUTS]
+
+
 def _options(**kw) -> RenderOptions:
-    base = {"config": "sft_tiny", "nodes": 2, "gpus_per_node": 8, "output_dir": OUT, "kind": "both"}
-    return RenderOptions(**{**base, **kw})
+    base = {"config": "sft_tiny", "nodes": 2, "gpus_per_node": 8, "output_dir": OUT, "kind": "both", "image": IMAGE}
+    overrides = (*REMOTE_INPUTS, *kw.pop("overrides", ()))
+    return RenderOptions(**{**base, **kw, "overrides": overrides})
 
 
 def _pod_specs(files) -> list[tuple[str, dict, dict]]:
@@ -208,7 +218,7 @@ def test_a_recipe_file_travels_in_the_config_map(tmp_path):
     text = "# my edited recipe\nrecipe: sft\noutput_dir: s3://b/mine\nmodel:\n  path: s3://b/base\n" \
            "data:\n  train: s3://b/train.jsonl\n"
     recipe.write_text(text, encoding="utf-8")
-    files = render(RenderOptions(config=str(recipe), nodes=1, gpus_per_node=1, name="mine"))
+    files = render(RenderOptions(config=str(recipe), nodes=1, gpus_per_node=1, name="mine", image=IMAGE))
     config_map = files["common.yaml"][0]
     assert config_map["data"]["recipe.yaml"] == text
     assert config_map["metadata"]["name"] == "mine-recipe"
@@ -225,14 +235,13 @@ def test_a_recipe_file_travels_in_the_config_map(tmp_path):
     (["--output-dir", OUT, "--min-nodes", "5"], "--min-nodes 5"),
 ])
 def test_bad_flags_exit_2_with_the_fix(flags, message, capsys):
-    code = main(["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8", *flags])
+    code = main(_cli(*flags))
     assert code == 2
     assert message in capsys.readouterr().err
 
 
 def test_stdout_stream_and_out_dir_hold_the_same_documents(tmp_path, capsys):
-    args = ["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8", "--output-dir", OUT,
-            "--spot-workers", "1"]
+    args = _cli("--output-dir", OUT, "--spot-workers", "1")
     assert main(args) == 0
     streamed = load_documents(capsys.readouterr().out)
     (tmp_path / "pytorchjob.yaml").write_text("stale from an earlier --kind both\n", encoding="utf-8")
@@ -285,8 +294,7 @@ def test_a_plan_that_offloads_more_than_the_memory_request_is_refused(tmp_path, 
     plan = _plan(tmp_path, "--gpus", "16", "--gpus-per-node", "8", "--offload", "optimizer", model="llama3-70b")
     host = json.loads(plan.read_text())["memory_bytes"]["host_per_node"]
     assert host > 64 * 2**30  # the example is built so that the default 64Gi cannot hold it
-    code = main(["k8s", "render", "--config", "sft_tiny", "--nodes", "2", "--gpus-per-node", "8",
-                 "--output-dir", OUT, "--plan", str(plan)])
+    code = main(_cli("--output-dir", OUT, "--plan", str(plan)))
     assert code == 2 and "raise --memory" in capsys.readouterr().err
     enough = f"{int(host / 2**30) + 8}Gi"
     assert render(_options(plan=str(plan), memory=enough))
