@@ -1,13 +1,27 @@
 """``python -m posttrain`` and the ``posttrain`` command: run the CLI, then leave (``exit_process``: a
-distributed rank skips interpreter teardown, which can abort a finished rank).
+distributed rank skips interpreter teardown, which can abort a finished rank). A closed stdout pipe is no
+failure: ``posttrain validate … | head`` exits as the command did, without a traceback.
 """
 
-from posttrain.cli import main
-from posttrain.exit_codes import exit_process
+import sys
+
+from posttrain.cli import main, silence_stdout, stdout_closed
+from posttrain.exit_codes import EXIT_OK, exit_process
 
 
 def entry() -> None:
-    exit_process(int(main() or 0))
+    try:
+        code = int(main() or 0)
+    except BrokenPipeError:  # `posttrain --help | head`: argparse writes before any command's own handling
+        if not stdout_closed():
+            raise
+        code = EXIT_OK
+    finally:
+        try:
+            sys.stdout.flush()  # a reader that left shows here, not as a traceback in the interpreter's teardown
+        except BrokenPipeError:
+            silence_stdout()
+    exit_process(code)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import select
 import sys
 import traceback
 
@@ -58,6 +60,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.eval.sandbox", "SandboxUnavailable"),
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
     ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
+    ("posttrain.generate.vllm_server", "EngineSetupError"),
     ("posttrain.models.lora", "LoraSetupError"),
     ("posttrain.k8s.options", "RenderError"),
     ("posttrain.data.storage", "StorageUnavailable"),
@@ -68,18 +71,23 @@ BAD_INPUT_ERRORS = (
     ("posttrain.store.lock", "RunDirError"),
     ("posttrain.store.manifest", "ManifestError"),
     ("posttrain.store.manifest", "CheckpointSignatureError"),
+    ("posttrain.rl.reward_config", "RewardSetupError"),
+    ("posttrain.generate.engine", "SamplingError"),
 )
 # The machine, not the input and not a bug: one line and exit 1 (e.g. a full disk; the message says what to do).
 ENVIRONMENT_ERRORS = (("posttrain.train.checkpoint", "DiskFullError"), ("posttrain.data.storage", "StorageAccessError"))
-# The store is down past store.max_outage_s: nothing is lost, the same command resumes later (exit 75).
-RESUMABLE_ERRORS = (("posttrain.store.run_store", "StoreUnavailable"),)
+# The store is down past store.max_outage_s, or the rollout engine died twice: nothing is lost, the same command
+# resumes later from the newest checkpoint (exit 75).
+RESUMABLE_ERRORS = (("posttrain.store.run_store", "StoreUnavailable"),
+                    ("posttrain.generate.vllm_server", "EngineUnavailable"))
 # A path given on the command line or in a config that cannot be used as asked.
 BAD_PATH_ERRORS = (FileNotFoundError, FileExistsError, IsADirectoryError, NotADirectoryError, PermissionError)
 
 EPILOG = f"""\
 exit codes: {EXIT_OK} ok, {EXIT_FAILED} failed, {EXIT_BAD_CONFIG} bad config or input,
-            {EXIT_RESUMABLE} resumable: preempted after saving a checkpoint, a stall, or the run store
-               unreachable past store.max_outage_s (rerun the same command to resume)
+            {EXIT_RESUMABLE} resumable: preempted after saving a checkpoint, a stall, the run store
+               unreachable past store.max_outage_s, or the rollout engine dead after its one restart
+               (rerun the same command to resume)
 errors:     one line each; a bug reads `posttrain: internal error: ...` (exit {EXIT_FAILED}):
             rerun with `posttrain --debug COMMAND ...` for the traceback
 threads:    OMP_NUM_THREADS if set, else every core; OMP_WAIT_POLICY=PASSIVE unless set (see posttrain.threads)
@@ -121,6 +129,13 @@ def _run_recipe_command(args: argparse.Namespace) -> int:
     overrides = [*args.overrides, f"recipe={name}"] + (["train.resume=force"] if getattr(args, "force_resume", False)
                                                         else [])
     config = load_config(RECIPES[name].schema, args.config, overrides)
+    model_path = getattr(getattr(config, "model", None), "path", None)
+    if isinstance(model_path, str):
+        from posttrain.models.source import check_model_path
+
+        # Before the recipe imports torch and transformers (seconds on a busy machine): a mistyped path or a hub
+        # id with no network is told at once. start_run asks again (answered from this process's memory).
+        check_model_path(model_path)
     return run_recipe(name, config)
 
 
@@ -156,8 +171,29 @@ def is_bad_input(exc: BaseException) -> bool:
     return isinstance(exc, BAD_PATH_ERRORS) or _is_one_of(exc, BAD_INPUT_ERRORS)
 
 
+def stdout_closed() -> bool:
+    """Whether stdout's reader has gone (``posttrain validate … | head``): polling its pipe reports an error."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & (select.POLLERR | select.POLLHUP) for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no file descriptor (captured output), or no poll() here
+        return False
+
+
+def silence_stdout() -> None:
+    """stdout's reader has gone: what is left to print is nobody's. stdout now goes to /dev/null, so that the
+    interpreter's last flush does not fail again (with a traceback) on the way out."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def report_failure(exc: BaseException, debug: bool) -> int:
     """Print a failed command's message (and, with ``debug``, its traceback); return its exit code."""
+    if isinstance(exc, BrokenPipeError) and stdout_closed():
+        silence_stdout()  # `… | head` read what it wanted: the command did its job (exit 0, as `cat` under head)
+        return EXIT_OK
     if debug:
         traceback.print_exception(exc, file=sys.stderr)
     config_error = sys.modules.get("posttrain.config.loader")

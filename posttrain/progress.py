@@ -8,6 +8,12 @@ passed, whichever comes first, and a final line when the work ends:
 
     [posttrain] train: 40% 120/300 step, 3.1 step/s, ETA 58s, loss=2.113 grad_norm=0.81
 
+Work that ends within ``quiet_s`` (``QUIET_S``, 5 s) prints nothing in a log: a flywheel round verifies,
+reads and tokenises dozens of small sets in milliseconds, and ten lines each would bury the lines that
+matter. Longer work is silent for its first ``quiet_s`` seconds, then reported as above, and always gets
+its final line (``done in …``). A training loop passes ``quiet_s=0``: its lines carry the loss, gradient
+norm and skipped updates, the run's record in the log however short the run.
+
 ``POSTTRAIN_PROGRESS=bar|lines|off`` overrides the choice (``off`` prints nothing).
 """
 
@@ -21,6 +27,7 @@ from typing import Any, TextIO
 
 EVERY_PERCENT = 10.0
 EVERY_S = 30.0
+QUIET_S = 5.0  # in a log, work that ends sooner prints nothing
 
 
 def mode() -> str:
@@ -51,18 +58,19 @@ class LineProgress:
 
     def __init__(self, iterable: Iterable | None = None, total: int | None = None, desc: str = "", unit: str = "it",
                  initial: int = 0, every_percent: float = EVERY_PERCENT, every_s: float = EVERY_S,
-                 file: TextIO | None = None):
+                 quiet_s: float = QUIET_S, file: TextIO | None = None):
         self.iterable = iterable
         if total is None and iterable is not None and hasattr(iterable, "__len__"):
             total = len(iterable)  # type: ignore[arg-type]
         self.total, self.desc, self.unit, self.n = total, desc, unit, initial
-        self.every_percent, self.every_s = every_percent, every_s
+        self.every_percent, self.every_s, self.quiet_s = every_percent, every_s, quiet_s
         self.file = file
         self.postfix = ""
         self._start_n = initial
         self._started = self._last_time = time.monotonic()
         self._last_n = initial
         self._closed = False
+        self._lines = 0
 
     def __iter__(self) -> Iterator:
         for item in self.iterable or ():
@@ -93,20 +101,27 @@ class LineProgress:
     def update(self, count: int = 1) -> None:
         self.n += count
         now = time.monotonic()
+        if now - self._started < self.quiet_s:
+            return  # quick work says nothing; the share and time rules count from the start once it is over
         due_time = now - self._last_time >= self.every_s
         due_share = bool(self.total) and (self.n - self._last_n) * 100.0 / self.total >= self.every_percent
         if due_time or due_share:
-            self._print(now)
+            # The update that completes the work is its final line: close() then has nothing to add.
+            self._print(now, final=bool(self.total) and self.n >= self.total)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        if self.n != self._last_n or self.n == self._start_n:
-            self._print(time.monotonic(), final=True)
+        now = time.monotonic()
+        if not self._lines and now - self._started < self.quiet_s:
+            return
+        if self.n != self._last_n or not self._lines:
+            self._print(now, final=True)
 
     def _print(self, now: float, final: bool = False) -> None:
         self._last_time, self._last_n = now, self.n
+        self._lines += 1
         elapsed = now - self._started
         rate = (self.n - self._start_n) / elapsed if elapsed > 0 else 0.0
         if self.total:
@@ -129,10 +144,11 @@ class _Silent(LineProgress):
 
 
 def progress(iterable: Iterable | None = None, *, total: int | None = None, desc: str = "", unit: str = "it",
-             initial: int = 0, disable: bool = False, leave: bool = False) -> Any:
+             initial: int = 0, disable: bool = False, leave: bool = False, quiet_s: float = QUIET_S) -> Any:
     """A progress reporter over ``iterable`` (or for ``total`` manual ``update()`` calls); see the module docstring.
 
-    ``disable=True`` (e.g. on ranks other than 0) reports nothing but still iterates and counts.
+    ``disable=True`` (e.g. on ranks other than 0) reports nothing but still iterates and counts. ``quiet_s``:
+    in a log, how long work may take before it prints anything (the bar on a terminal shows at once).
     """
     chosen = "off" if disable else mode()
     if chosen == "bar":
@@ -141,4 +157,4 @@ def progress(iterable: Iterable | None = None, *, total: int | None = None, desc
         return tqdm(iterable, total=total, desc=desc, unit=unit, initial=initial, leave=leave, file=sys.stderr,
                     dynamic_ncols=True)
     cls = _Silent if chosen == "off" else LineProgress
-    return cls(iterable, total=total, desc=desc, unit=unit, initial=initial)
+    return cls(iterable, total=total, desc=desc, unit=unit, initial=initial, quiet_s=quiet_s)

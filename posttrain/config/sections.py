@@ -71,7 +71,11 @@ class DataConfig(StrictModel):
     )
     packing: bool = False
     truncation_side: Literal["right", "left"] = "right"
-    curriculum: Literal["none", "tiered", "competence"] = "none"
+    curriculum: Literal["none", "tiered", "tiered_strict", "competence"] = Field(
+        default="none", description="Order of the data: none (a seeded shuffle per epoch); tiered (each epoch tier 1 "
+        "→ 2 → 3; data with no `tier` at all falls back to none's shuffle with one warning); tiered_strict (tiered, "
+        "and untiered data is an error); competence (paced easy to hard by tier, then difficulty).",
+    )
     competence_start: float = Field(default=0.25, gt=0.0, le=1.0, description="c(0) for competence pacing.")
     competence_steps: int | None = Field(
         default=None, ge=1, description="Steps until c(t) reaches 1; default: half of the run."
@@ -143,7 +147,11 @@ class TrainConfig(StrictModel):
     fsdp: Literal["auto", "on", "off"] = Field(
         default="auto", description="auto: shard with FSDP2 when world size > 1."
     )
-    log_every: int = Field(default=1, ge=1)
+    log_every: int = Field(
+        default=1, ge=1,
+        description="Send every k-th step record (and the last) to the trackers (TensorBoard, W&B, MLflow) and the "
+        "Prometheus exporter, and refresh the progress line's figures. metrics.jsonl keeps every step.",
+    )
     peak_flops: float | None = Field(
         default=None, gt=0, description="Peak FLOP/s per device for MFU; default: a guess from the device."
     )

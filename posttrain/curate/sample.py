@@ -29,6 +29,7 @@ from posttrain.data.formats import FormatError, to_prompt
 from posttrain.data.io import BadLine, iter_raw_records, jsonl_writer
 from posttrain.data.records import stable_id
 from posttrain.progress import progress
+from posttrain.rl.reward_config import RewardSetupError
 
 CHUNK_PROMPTS = 256  # prompts generated and scored per step; bounds memory for big prompt files
 
@@ -121,8 +122,8 @@ class Sampler:
         scores: list[list[float | None]] = [[] for _ in prompts]
         for kind in sorted(set(kinds)):
             chosen = [i for i, k in enumerate(kinds) if k == kind]
-            if kind == "verifier" and any(not prompts[i].verifiable for i in chosen):
-                raise ValueError("scorer.kind=verifier, but some prompts have no verifier and answer key")
+            if kind == "verifier":
+                check_verifiable([prompts[i] for i in chosen])
             found = self.scorer(kind).score([prompts[i] for i in chosen], [candidates[i] for i in chosen])
             for i, values in zip(chosen, found, strict=True):
                 scores[i] = values
@@ -132,6 +133,16 @@ class Sampler:
         outputs = self.backend.generate([p.messages for p in prompts], self.params,
                                         batch_size=self.config.sampling.batch_size, progress=False)  # fmt: skip
         return [[c.text for c in samples] for samples in outputs]
+
+
+def check_verifiable(prompts: list[PromptRecord]) -> None:
+    """``scorer.kind=verifier`` needs a verifier and an answer key on every prompt: refused before any sampling."""
+    loose = [prompt for prompt in prompts if not prompt.verifiable]
+    if loose:
+        raise RewardSetupError(
+            f"scorer.kind=verifier, but {len(loose)} of {len(prompts)} prompts have no verifier and answer key "
+            f"(first: {loose[0].id}, line {loose[0].line}); set scorer.kind=auto (a verifier where a prompt has its "
+            "key, else scorer.reward_model or the judge), or give every prompt `verifier` and `answer`")
 
 
 def _read_prompts(paths: list[str], funnel: Funnel, dropped) -> list[PromptRecord]:
@@ -165,6 +176,8 @@ def rejection_sample(config: SampleRecipe, sampler: Sampler | None = None) -> di
     with ExitStack() as stack:
         handles = {name: stack.enter_context(jsonl_writer(str(path))) for name, path in paths.items()}
         prompts = _read_prompts(config.data.paths(), funnel, handles["dropped"])
+        if config.scorer.kind == "verifier":
+            check_verifiable(prompts)  # before the policy loads and samples
         sampler = sampler or Sampler(config)
         bar = progress(total=len(prompts), desc="sample", unit="prompt", disable=not config.progress)
         for start in range(0, len(prompts), CHUNK_PROMPTS):

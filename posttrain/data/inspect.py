@@ -2,9 +2,13 @@
 
 Prints the detected format(s), record counts by kind, the token-length distribution under a model's
 tokenizer (``--model``) with how many records exceed ``--max-length``, and bad records by reason.
-A malformed file stops with ``file:line: field: reason`` and exit code 2, unless
-``--on-error quarantine`` is given, in which case the bad records are counted (and written to
-``--quarantine-file`` when given) and the rest is inspected.
+
+An inspection counts every bad record by default (``--on-error count``): the whole file is read, the
+table shows each reason with its count and first lines, and the exit code is 2 when any record is bad,
+since a run with the default ``data.on_error=raise`` would stop at the first of them. ``quarantine``
+shows the same and exits 0 (a run with ``data.on_error=quarantine`` sets them aside); both write the
+bad records to ``--quarantine-file`` when given. ``raise`` stops at the first bad record with
+``file:line: field: reason`` and exit 2, as the run would.
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Read FILE (.jsonl, .json, .parquet, optionally .gz, or a directory saved by datasets.save_to_disk), "
             "detect its format per record, count records by kind, and, with --model, show the token-length "
-            "distribution under that model's chat template and how many records exceed --max-length. Bad records "
-            "stop the read with file:line: field: reason (exit 2) unless --on-error quarantine is given."
+            "distribution under that model's chat template and how many records exceed --max-length. Every bad "
+            "record is counted by reason (exit 2 when any is bad; --on-error quarantine: exit 0; --on-error raise: "
+            "stop at the first with file:line: field: reason)."
         ),
     )
     inspect.add_argument("file", help="data file or saved-dataset directory")
@@ -45,9 +50,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="expected record kind; records of another kind count as bad")
     inspect.add_argument("--max-length", type=int, default=DEFAULT_MAX_LENGTH,
                          help=f"count records longer than this many tokens (default {DEFAULT_MAX_LENGTH})")
-    inspect.add_argument("--on-error", choices=("raise", "quarantine"), default="raise",
-                         help="raise: stop at the first bad record (exit 2); quarantine: count bad records and go on")
-    inspect.add_argument("--quarantine-file", help="with --on-error quarantine, also write bad records here (JSONL)")
+    inspect.add_argument("--on-error", choices=("count", "quarantine", "raise"), default="count",
+                         help="count (default): read the whole file, count bad records by reason, exit 2 if any; "
+                         "quarantine: the same, exit 0 (what a run with data.on_error=quarantine accepts); "
+                         "raise: stop at the first bad record (exit 2), as a run with data.on_error=raise does")
+    inspect.add_argument("--quarantine-file", help="also write the bad records here (JSONL; not with --on-error raise)")
     inspect.add_argument("--limit", type=int, default=None,
                          help="tokenise at most this many records for the length statistics (default: all)")
     inspect.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
@@ -154,11 +161,12 @@ def format_text(report: ReadReport, tokens: dict[str, Any] | None, args: argpars
 def _inspect(args: argparse.Namespace) -> int:
     from posttrain.data.io import read_records  # fsspec: only when a file is read, not for --help
 
-    if args.quarantine_file and args.on_error != "quarantine":
-        print("posttrain: --quarantine-file needs --on-error quarantine", file=sys.stderr)
+    if args.quarantine_file and args.on_error == "raise":
+        print("posttrain: --quarantine-file needs --on-error count or quarantine", file=sys.stderr)
         return 2
+    on_error = "raise" if args.on_error == "raise" else "quarantine"  # count reads as quarantine does
     records, report = read_records(
-        args.file, kind=args.kind, fmt=args.format, on_error=args.on_error, quarantine_path=args.quarantine_file
+        args.file, kind=args.kind, fmt=args.format, on_error=on_error, quarantine_path=args.quarantine_file
     )
     tokens = None
     if args.model:
@@ -174,4 +182,23 @@ def _inspect(args: argparse.Namespace) -> int:
         print(json.dumps(payload, sort_keys=True))
     else:
         print(format_text(report, tokens, args))
+    if report.quarantined and args.on_error == "count":
+        print(f"posttrain: {report.path}: {report.quarantined} bad record{'s' if report.quarantined != 1 else ''}, "
+              f"the first at {_first_bad_line(report)}: a run with data.on_error=raise (the default) stops there, "
+              "data.on_error=quarantine sets them aside (--on-error quarantine here exits 0)", file=sys.stderr)
+        return 2
     return 0
+
+
+def _first_bad_line(report: ReadReport) -> str:
+    """``line N`` of the earliest bad record the report kept (``shard:N`` in a shard set)."""
+    lines = [line for kept in report.example_lines.values() for line in kept]
+    numbers = [line for line in lines if isinstance(line, int)]
+    if numbers:
+        return f"line {min(numbers)}"
+
+    def order(label: str) -> tuple[str, int]:
+        name, _, number = str(label).rpartition(":")
+        return name, int(number) if number.isdigit() else 0
+
+    return min(map(str, lines), key=order) if lines else "an unknown line"

@@ -48,7 +48,7 @@ from posttrain.data.lines import (  # iter_lines, iter_text_lines: the package r
 )
 from posttrain.data.read_report import ReadReport
 from posttrain.data.records import RECORD_KINDS, Record
-from posttrain.data.shards import is_glob, rank_and_world, read_shards
+from posttrain.data.shards import is_glob, list_shards, rank_and_world, read_shards
 from posttrain.data.storage import AtomicFile, filesystem, is_remote, not_found, storage_errors
 from posttrain.progress import progress as progress_bar
 
@@ -421,10 +421,11 @@ class _ShardRead:
     records: list[Record]
     report: ReadReport
     bad: list[dict[str, Any]]
+    complete: bool = True  # False: stopped at ``limit`` records
 
 
 def _read_shard(path: str, kind: str | None, fmt: str, on_error: OnError, keep_bad: bool,
-                progress: bool, max_record_bytes: int) -> _ShardRead:
+                progress: bool, max_record_bytes: int, limit: int | None = None) -> _ShardRead:
     report, records, bad = ReadReport(path=path, kind=kind), [], []
     rows = progress_bar(iter_raw_records(path, max_record_bytes), desc=f"reading {PurePosixPath(path).name}",
                         unit="rec", disable=not progress)
@@ -432,6 +433,8 @@ def _read_shard(path: str, kind: str | None, fmt: str, on_error: OnError, keep_b
         if isinstance(item, BadLine) and item.category == BLANK_LINE:
             report.blank_lines += 1  # holds no record: not counted as read
             continue
+        if limit is not None and report.read >= limit:
+            return _ShardRead(records, report, bad, complete=False)
         report.read += 1
         try:
             if isinstance(item, BadLine):
@@ -509,6 +512,44 @@ def read_records(
     return records, report
 
 
+# Records ``peek_records`` reads at most: a few tenths of a second, before a run writes or loads anything.
+PEEK_RECORDS = 10_000
+
+
+@dataclass
+class Peek:
+    """What ``peek_records`` saw: the first records, their report, and whether that was the whole source."""
+
+    records: list[Record]
+    report: ReadReport
+    complete: bool
+
+
+def peek_records(path: str, kind: str | None = None, fmt: str = "auto", on_error: OnError = "raise",
+                 max_record_bytes: int = MAX_RECORD_BYTES) -> Peek | None:
+    """The first ``PEEK_RECORDS`` records of a local source, read as ``read_records`` reads them, writing nothing
+    (no quarantine file); None for a remote source (its listing and download are left to the one full read).
+
+    What it raises, the full read raises too: a missing file, an unsupported type, and under ``on_error="raise"``
+    the first bad record (it is the first one). ``complete`` says the whole source was read, so a rule over all
+    records (``ReadReport.check_usable``, a curriculum's tiers) decides here as it would there.
+    """
+    path = str(path)
+    if is_remote(path):
+        return None
+    report, records, left = ReadReport(path=path, kind=kind), [], PEEK_RECORDS
+    with storage_errors(path):
+        shards = list_shards(path)
+        for shard in shards:
+            part = _read_shard(shard, kind, fmt, on_error, False, False, max_record_bytes, limit=left)
+            report.merge(part.report, PurePosixPath(shard).name if len(shards) > 1 else None)
+            records += part.records
+            left -= part.report.read
+            if not part.complete:
+                return Peek(records, report, complete=False)
+    return Peek(records, report, complete=True)
+
+
 def _is_first_rank() -> bool:
     return rank_and_world()[0] == 0
 
@@ -555,4 +596,4 @@ def write_records(path: str, records: Iterable[Record]) -> None:
         with AtomicFile(path, "wb") as handle:
             pq.write_table(table, handle)
     else:
-        raise ValueError(f"{path}: cannot write {suffix or '(no suffix)'!r}; use .jsonl or .parquet")
+        raise DataError(path, None, None, f"cannot write {suffix or '(no suffix)'!r}; use .jsonl or .parquet")

@@ -62,6 +62,11 @@ __all__ = [
 FINISH_REASONS = ("stop", "length", "eos")
 
 
+class SamplingError(ValueError):
+    """Sampling settings out of range (``--top-p 2``, ``--n 0``…), or a prompt with nothing to sample from: bad input,
+    one line that names the setting and its range."""
+
+
 @dataclass
 class SamplingParams:
     """What to sample. ``temperature == 0`` means greedy (then ``top_p``/``top_k`` are ignored).
@@ -81,17 +86,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         if self.n < 1:
-            raise ValueError(f"n must be >= 1 (got {self.n})")
+            raise SamplingError(f"n must be >= 1 (got {self.n})")
         if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
+            raise SamplingError(f"temperature must be >= 0 (got {self.temperature}); 0 means greedy")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1] (got {self.top_p})")
+            raise SamplingError(f"top_p must be in (0, 1] (got {self.top_p})")
         if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (got {self.top_k}); 0 disables it")
+            raise SamplingError(f"top_k must be >= 0 (got {self.top_k}); 0 disables it")
         if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
+            raise SamplingError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens})")
         if any(not s for s in self.stop):
-            raise ValueError("stop strings must be non-empty")
+            raise SamplingError("stop strings must be non-empty")
 
     @property
     def greedy(self) -> bool:
@@ -176,12 +181,12 @@ class HFBackend:
         seed_keys: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         if batch_size < 1:
-            raise ValueError(f"batch_size must be >= 1 (got {batch_size})")
+            raise SamplingError(f"batch_size must be >= 1 (got {batch_size})")
         keys = _seed_keys(seed_keys, len(prompts))
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for index, ids in enumerate(encoded):
             if not ids:
-                raise ValueError(f"prompt {index} is empty after tokenization")
+                raise SamplingError(f"prompt {index} is empty after tokenization")
         # One row per (prompt, sample); longest first so each batch holds similar lengths (less padding).
         rows = [(p, s) for p in range(len(prompts)) for s in range(params.n)]
         rows.sort(key=lambda row: -len(encoded[row[0]]))

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from posttrain.k8s.options import RenderError
+from posttrain.models.source import could_be_hub_id
 
 # The last part of a dotted key whose value names a file, directory, model or module.
 _PATH_KEY = re.compile(r"(path|paths|train|eval|dir|file|files|input|model|function)$")
@@ -26,9 +27,8 @@ POD_SCRATCH = frozenset({
     "dpo.reference_cache_dir",  # reference log-probs, recomputed when missing
     "metrics.wandb.dir",  # W&B's own files; the run's record is in output_dir and W&B
 })
-# The same rule as posttrain.models.load's (not imported: it loads torch): ``name`` or ``namespace/name``.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-# A data or code file is never a hub id, even without a slash (``train.jsonl``).
+# A hub id is posttrain.models.source's rule (``name`` or ``namespace/name``); a data or code file is never one,
+# even without a slash (``train.jsonl``).
 _FILE_SUFFIX = re.compile(r"\.(jsonl|json|parquet|arrow|txt|csv|tsv|ya?ml|py|gz|zst|bz2|xz|safetensors|bin|pt)$",
                           re.IGNORECASE)
 
@@ -51,7 +51,7 @@ def is_local_path(value: str) -> bool:
         return value.split("://", 1)[0].lower() in ("file", "local")
     if Path(value).expanduser().exists() or value.startswith(("/", "~", ".")) or _FILE_SUFFIX.search(value):
         return True
-    return "/" in value and not _HUB_ID.fullmatch(value)
+    return "/" in value and not could_be_hub_id(value)
 
 
 def local_paths(config: Any) -> list[tuple[str, str]]:

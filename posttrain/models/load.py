@@ -1,8 +1,10 @@
-"""Load a causal LM and its tokenizer from a local HF-format directory (or a hub id when online)."""
+"""Load a causal LM and its tokenizer from a local HF-format directory, or a hub id (online, or from the cache).
+
+Which paths can load is ``posttrain.models.source``'s business (``check_model_path``), kept free of torch and
+transformers so that the CLI asks it before the training stack is imported."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -10,26 +12,11 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
+from posttrain.data.chat import TemplateError
 from posttrain.models.attention import transformers_name
+from posttrain.models.source import check_model_path, hub_failure
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-# A Hugging Face hub id: ``name`` or ``namespace/name``. Anything else (two slashes, a leading ``.``, ``/`` or ``~``)
-# can only be a local path.
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
-
-
-def check_model_path(path: str) -> None:
-    """One line (``FileNotFoundError``) when ``path`` must be a local model directory and is not one. A name that
-    could be a hub id and is no local directory is left to transformers (``model_source`` words its failure)."""
-    local = Path(path).expanduser()
-    if not local.exists() and _HUB_ID.fullmatch(path):
-        return
-    if not (local / "config.json").is_file():
-        why = "no config.json in it" if local.is_dir() else f"no such directory under {Path.cwd()}"
-        raise FileNotFoundError(f"{path}: not an HF model directory ({why}). Build one with `posttrain model tiny "
-                                f"{path}` or point model.path at a saved model.")
 
 
 @contextmanager
@@ -44,8 +31,7 @@ def model_source(path: str) -> Iterator[None]:
         if Path(path).expanduser().exists():
             raise
         first = next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
-        raise FileNotFoundError(f"{path}: no such directory under {Path.cwd()}, and loading it as a Hugging Face hub "
-                                f"id failed: {first}") from None
+        raise hub_failure(path, first) from None
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
@@ -54,7 +40,9 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> PreTrainedToke
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not tokenizer.chat_template:
-        raise ValueError(f"{path}: the tokenizer has no chat template; posttrain formats chats with it")
+        raise TemplateError(f"{path}: the tokenizer has no chat template; posttrain formats chats with it. Use an "
+                            "instruct/chat model, or add one (a `chat_template.jinja` file next to tokenizer_config.json, "
+                            "or its `chat_template` key, e.g. copied from the instruct variant of this model)")
     return tokenizer
 
 

@@ -28,6 +28,7 @@ any later one that builds its policy with ``build_policy``) into adapter trainin
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import sys
 import warnings
@@ -48,11 +49,27 @@ class LoraSetupError(RuntimeError):
     platform or under FSDP, no module matches ``target_modules``); the one-line message says what to do."""
 
 
+# What bitsandbytes logs on import on a CPU with AVX512-BF16 when the `kernels` package (a fused 4-bit matmul) is
+# missing. peft imports bitsandbytes whenever it is installed, so every CPU LoRA run printed it; it concerns 4-bit
+# layers only. With quantize: 4bit, check_4bit_support imports bitsandbytes first and the note stands.
+BNB_CPU_KERNEL_NOTE = "Failed to load CPU gemm_4bit_forward from kernels-community"
+
+
+class _WithoutCpuKernelNote(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(BNB_CPU_KERNEL_NOTE)
+
+
 def _peft():
+    note = _WithoutCpuKernelNote()
+    bnb_cpu = logging.getLogger("bitsandbytes.backends.cpu.ops")
+    bnb_cpu.addFilter(note)  # only while peft imports: a later 4-bit load keeps every bitsandbytes message
     try:
         import peft
     except ImportError:
         raise LoraSetupError(PEFT_MISSING) from None
+    finally:
+        bnb_cpu.removeFilter(note)
     return peft
 
 

@@ -13,6 +13,20 @@ PALETTE = ("#3d7ddb", "#e0662b", "#2a9d5c", "#8e5bd6", "#c9a227", "#9aa5b1")
 UNIT_RANGE = [0, 1.02]  # accuracies and pass rates: the whole [0, 1], a sliver above 1 so a line at 1 shows
 
 
+def flat_range(values: list[Any]) -> list[float] | None:
+    """An axis range for a series that never moves (a constant learning rate), else None (plotly's own).
+
+    Left to itself plotly draws a flat series ``v`` on ``[v - 1, v + 1]``, so a learning rate of 2e-4 reads
+    as a line at 0 on [-1, 1]; the value belongs in the middle of an axis of its own scale.
+    """
+    finite = {v for v in values if isinstance(v, int | float) and v == v and abs(v) != float("inf")}
+    if len(finite) != 1:
+        return None
+    (value,) = finite
+    half = abs(value) / 2 or 1.0
+    return [value - half, value + half]
+
+
 def funnel_figure(funnel: dict[str, Any], title: str = "Curation funnel"):
     """Kept and dropped records per stage, in the funnel's own stage order (any stage it lists shows)."""
     import plotly.graph_objects as go
@@ -39,6 +53,8 @@ def curves_figure(series: dict[str, Any], label: str):
         fig.add_trace(go.Scatter(x=series["step"], y=series[key], name=title, mode="lines",
                                  showlegend=False), row=1, col=col)
         fig.update_xaxes(title_text=f"{label} step", row=1, col=col)
+        if key != "loss" and (flat := flat_range(series[key])):  # loss shares its panel with the held-out loss
+            fig.update_yaxes(range=flat, row=1, col=col)
     held_out = series.get("eval") or {}
     if held_out.get("loss"):
         fig.add_trace(go.Scatter(x=held_out["step"], y=held_out["loss"], name="held-out loss",
@@ -81,11 +97,14 @@ def preference_figure(series: dict[str, Any], label: str):
 
 
 def rl_figure(series: dict[str, Any], label: str):
-    """GRPO: mean reward and pass@1 of the training samples (with the held-out reward), pass@1 by tier."""
+    """GRPO: mean reward and pass@1 of the training samples (with the held-out reward), and pass@1 by tier
+    when the reward logged it (a verifier reward on tiered prompts; a Python reward has no tier panel)."""
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
-    fig = make_subplots(rows=1, cols=2, subplot_titles=("reward and pass@1 of the samples", "pass@1 by tier"))
+    by_tier = series.get("pass_by_tier") or {}
+    titles = ("reward and pass@1 of the samples", "pass@1 by tier")[:2 if by_tier else 1]
+    fig = make_subplots(rows=1, cols=len(titles), subplot_titles=titles)
     fig.add_trace(go.Scatter(x=series["step"], y=series["reward"], name="reward (mean)", mode="lines"), row=1, col=1)
     if series.get("pass@1"):
         fig.add_trace(go.Scatter(x=series["step"], y=series["pass@1"], name="pass@1", mode="lines"), row=1, col=1)
@@ -93,11 +112,13 @@ def rl_figure(series: dict[str, Any], label: str):
     if held_out.get("reward"):
         fig.add_trace(go.Scatter(x=held_out["step"], y=held_out["reward"], name="held-out reward (greedy)",
                                  mode="lines+markers"), row=1, col=1)
-    for tier, values in (series.get("pass_by_tier") or {}).items():
+    for tier, values in by_tier.items():
         fig.add_trace(go.Scatter(x=series["step"], y=values, name=tier.replace("_", " "), mode="lines"), row=1, col=2)
     fig.update_xaxes(title_text=f"{label} step")
-    fig.update_yaxes(range=UNIT_RANGE, row=1, col=2)
-    fig.update_layout(title=f"{label}: reward curve and pass rate by tier (training samples)")
+    if by_tier:
+        fig.update_yaxes(range=UNIT_RANGE, row=1, col=2)
+    what = "reward curve and pass rate by tier" if by_tier else "reward curve"
+    fig.update_layout(title=f"{label}: {what} (training samples)")
     return fig
 
 

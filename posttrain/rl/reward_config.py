@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from posttrain.eval.verifiers import VerifySettings
 
 TermKind = Literal["verifier", "reward_model", "python"]
-_FUNCTION = re.compile(r"[A-Za-z_][\w.]*:[A-Za-z_][\w.]*")
+# "module:attr" (the module importable: installed, or its directory on PYTHONPATH) or "path/to/file.py:attr".
+_FUNCTION = re.compile(r"([A-Za-z_][\w.]*|[^:]+\.py):[A-Za-z_][\w.]*")
+
+
+class RewardSetupError(ValueError):
+    """A reward cannot be built or cannot score these prompts (a function that does not import, prompts its
+    verifier terms cannot check); the message names what and how to fix it. Raised at setup, never per sample."""
 _ONLY_FOR: dict[str, TermKind] = {"verifier": "verifier", "path": "reward_model", "batch_size": "reward_model",
                                   "max_length": "reward_model", "dtype": "reward_model", "function": "python"}
 
@@ -35,7 +41,9 @@ class RewardTerm(StrictModel):
     batch_size: int = Field(default=16, ge=1, description="reward_model terms: sequences per forward.")
     max_length: int | None = Field(default=None, ge=8, description="reward_model terms: default, the model's training max_length.")
     dtype: Literal["float32", "bfloat16"] = "float32"
-    function: str | None = Field(default=None, description='python terms: "module:attr", fn(prompt: RLPrompt, completion: str) -> float.')
+    function: str | None = Field(default=None, description='python terms: "module:attr" (importable: installed or on '
+                                 'PYTHONPATH) or "path/to/file.py:attr" (relative to the working directory), called as '
+                                 'fn(prompt: RLPrompt, completion: str) -> float.')
 
     @field_validator("weight")
     @classmethod
@@ -54,9 +62,11 @@ class RewardTerm(StrictModel):
             raise ValueError("a reward_model term needs `path`: the directory `posttrain rm` exported (its final/ dir)")
         if self.kind == "python":
             if not self.function:
-                raise ValueError('a python term needs `function: "module:attr"` (fn(prompt, completion) -> float)')
+                raise ValueError('a python term needs `function: "module:attr"` or `function: "path/to/file.py:attr"` '
+                                 '(fn(prompt, completion) -> float)')
             if not _FUNCTION.fullmatch(self.function):
-                raise ValueError(f'`function` must read "module:attr", e.g. "mypkg.rewards:length_penalty" (got {self.function!r})')
+                raise ValueError(f'`function` must read "module:attr" or "path/to/file.py:attr", e.g. '
+                                 f'"mypkg.rewards:length_penalty" or "rewards.py:length_penalty" (got {self.function!r})')
         if self.verifier is not None:
             from posttrain.eval.verifiers import VERIFIERS
 

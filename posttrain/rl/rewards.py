@@ -11,7 +11,9 @@ once per run and scores a batch of ``(prompt, completion)`` samples::
   :attr:`RewardBatch.passed` (pass@1 / pass@G).
 - ``reward_model``: ``posttrain.train.reward_scorer.RewardScorer`` (the model as ``posttrain rm`` exported it),
   in this process, batched, on this rank's device.
-- ``python``: ``function: "module:attr"``, called as ``fn(prompt: RLPrompt, completion: str) -> float``.
+- ``python``: ``function: "module:attr"`` (an importable module: installed, or its directory on ``PYTHONPATH``) or
+  ``function: "path/to/file.py:attr"`` (a file, relative to the working directory), called as
+  ``fn(prompt: RLPrompt, completion: str) -> float``.
 
 Where each runs, and why:
 
@@ -36,13 +38,19 @@ depends on the number of workers or the order items finish.
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import hashlib
 import importlib
+import importlib.util
 import math
 import numbers
+import sys
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from functools import cache
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from posttrain.data.records import RLPrompt
@@ -50,7 +58,13 @@ from posttrain.eval.items import EvalItem
 from posttrain.eval.sandbox import SandboxUnavailable
 from posttrain.eval.verifiers import check_item, verify
 from posttrain.rl.pool import BadValue, Outcome, TimeoutPool, failure_reason, run_inline
-from posttrain.rl.reward_config import CodeRewardConfig, RewardConfig, RewardTerm, TermKind  # noqa: F401 - re-exported
+from posttrain.rl.reward_config import (  # noqa: F401 - re-exported
+    CodeRewardConfig,
+    RewardConfig,
+    RewardSetupError,
+    RewardTerm,
+    TermKind,
+)
 
 
 @dataclasses.dataclass
@@ -70,20 +84,56 @@ class RewardBatch:
     reasons: dict[str, list[str | None]]
 
 
+def _import_file(reference: str, source: str) -> ModuleType:
+    """The module of a reward file (``"path/to/file.py:attr"``), loaded once per process under a name of its own
+    (kept in ``sys.modules``, so that what it defines pickles and its dataclasses work). Its own imports follow
+    ``sys.path`` as usual: nothing is added to it."""
+    path = Path(source).expanduser()
+    if not path.is_file():
+        raise RewardSetupError(f"reward function {reference!r}: {source}: no such file under {Path.cwd()} (a file is "
+                               'named "path/to/file.py:FUNCTION", relative to the directory posttrain runs in, or '
+                               "absolute)")
+    resolved = path.resolve()
+    name = f"posttrain_reward_{hashlib.sha256(str(resolved).encode()).hexdigest()[:12]}_{resolved.stem}"
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, resolved)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - the user's code: whatever it raises while importing is theirs to fix
+        del sys.modules[name]
+        raise RewardSetupError(f"reward function {reference!r}: cannot import {source} ({type(exc).__name__}: "
+                               f"{exc})") from None
+    return module
+
+
 @cache
 def resolve_function(reference: str) -> Callable[[RLPrompt, str], Any]:
-    """``"module:attr"`` (attr may be dotted) -> the callable; ValueError naming what is wrong."""
-    module_name, _, attr = reference.partition(":")
-    try:
-        target: Any = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ValueError(f"reward function {reference!r}: cannot import {module_name!r} ({exc})") from None
+    """``"module:attr"`` or ``"path/to/file.py:attr"`` (attr may be dotted) -> the callable; ``RewardSetupError``
+    naming what is wrong and how to fix it."""
+    source, _, attr = reference.rpartition(":")
+    if source.endswith(".py"):
+        target: Any = _import_file(reference, source)
+    else:
+        try:
+            target = importlib.import_module(source)
+        except Exception as exc:  # noqa: BLE001 - not found, or the module itself failed while importing
+            leaf = source.rpartition(".")[2]
+            raise RewardSetupError(
+                f"reward function {reference!r}: cannot import {source!r} ({type(exc).__name__}: {exc}); install it, "
+                f'put the directory that holds it on PYTHONPATH, or name the file: "path/to/{leaf}.py:{attr}"'
+            ) from None
     for part in attr.split("."):
         if not hasattr(target, part):
-            raise ValueError(f"reward function {reference!r}: {module_name} has no attribute {attr!r}")
+            names = [name for name in dir(target) if not name.startswith("_") and callable(getattr(target, name))]
+            guess = difflib.get_close_matches(part, names, n=1)
+            hint = f"; did you mean {guess[0]!r}?" if guess else ""
+            raise RewardSetupError(f"reward function {reference!r}: {source} has no attribute {attr!r}{hint}")
         target = getattr(target, part)
     if not callable(target):
-        raise ValueError(f"reward function {reference!r} is not callable (a {type(target).__name__})")
+        raise RewardSetupError(f"reward function {reference!r} is not callable (a {type(target).__name__})")
     return target
 
 
@@ -138,21 +188,28 @@ class RewardFunction:
 
     def check_prompts(self, prompts: Sequence[RLPrompt]) -> None:
         """Raise, at setup, what ``score`` would count on every step: a prompt its verifier terms cannot check
-        (ValueError naming the prompt and field), or code items where code cannot be isolated."""
+        (``RewardSetupError`` naming the prompt, the field and the fixes), or code items where code cannot be
+        isolated."""
         from posttrain.eval.sandbox import sandbox_support
 
         has_code = False
-        for term in self.config.terms:
+        for index, term in enumerate(self.config.terms):
             if term.kind != "verifier":
                 continue
+            loose = [prompt for prompt in prompts if not (term.verifier or prompt.verifier)]
+            if loose:
+                more = f" (nor do {len(loose) - 1} more of the {len(prompts)} prompts)" if len(loose) > 1 else ""
+                raise RewardSetupError(
+                    f"reward term {term.label!r}: RL prompt {loose[0].id}: names no verifier{more}, so this term would "
+                    "score 0 on every step. Give each prompt `verifier` and its answer key (`posttrain data tasks "
+                    f"rl` writes such prompts; docs/rl.md), check every prompt with one verifier (reward.terms.{index}"
+                    ".verifier=numeric, say), or score them with a python or reward_model term in reward.terms")
             for prompt in prompts:
-                try:
-                    item = EvalItem.from_rl_prompt(prompt, term.verifier)
-                except ValueError as exc:
-                    raise ValueError(f"reward term {term.label!r}: RL prompt {prompt.id}: {exc}") from None
+                item = EvalItem.from_rl_prompt(prompt, term.verifier)
                 problem = check_item(item)
                 if problem:
-                    raise ValueError(f"reward term {term.label!r}: RL prompt {prompt.id}: `{problem[0]}`: {problem[1]}")
+                    raise RewardSetupError(f"reward term {term.label!r}: RL prompt {prompt.id}: `{problem[0]}`: "
+                                           f"{problem[1]}")
                 has_code = has_code or item.verifier == "code"
         supported, why = sandbox_support() if has_code else (True, "")
         if not supported and not self.config.code.allow_unsandboxed:

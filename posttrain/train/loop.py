@@ -47,7 +47,7 @@ from posttrain.train.metrics import MetricsSink, RunSummary, cut_logs, mfu, peak
 from posttrain.train.offload import ActivationOffload
 from posttrain.train.precision import autocast
 from posttrain.train.schedule import lr_multiplier
-from posttrain.train.source import LossFn, StepBatch, StepSource
+from posttrain.train.source import BatchSizeError, LossFn, StepBatch, StepSource
 from posttrain.train.watchdog import Watchdog, hang_forever
 
 Evaluate = Callable[[torch.nn.Module], dict[str, float]]
@@ -343,8 +343,8 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
            watchdog: Watchdog) -> int:
     total_steps = source.total_steps()
     if total_steps == 0:
-        raise ValueError(f"{source.name}: the data cannot fill one optimizer step; lower train.global_batch_size "
-                         "or add data")
+        raise BatchSizeError(f"{source.name}: the data cannot fill one optimizer step; lower "
+                             "train.global_batch_size, add data, or set train.max_steps (the data then repeats)")
     _warn_schedule(total_steps, settings)
     params = [p for p in model.parameters() if p.requires_grad]
     # The fused kernel does the whole AdamW update in one pass per tensor. The foreach path runs many
@@ -402,11 +402,11 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                 elapsed = time.perf_counter() - started
                 summary.add_step(batch.tokens, elapsed, skipped=not accepted)
                 sink.step_finished(run.next_step, updates)
-                if step % settings.log_every == 0 or run.next_step == total_steps:
-                    sink.log({**_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]),
-                              "data_wait_s": data_wait, **after_step})
-                else:
-                    sink.skip()
+                # Every step goes to metrics.jsonl (its figures are host floats already: the health guard read
+                # them); log_every thins what the trackers, the exporter and the progress line get.
+                sink.log({**_log_record(step, batch, updates, lr, elapsed, settings, [n for _, n in groups]),
+                          "data_wait_s": data_wait, **after_step},
+                         track=step % settings.log_every == 0 or run.next_step == total_steps)
                 if all(u.ok for u in updates):
                     bad_streak.clear()
                 else:

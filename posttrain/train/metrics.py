@@ -131,9 +131,13 @@ class MetricsSink:
                 alerts.listeners.append(self.exporter.alert)
         from posttrain.progress import progress
 
-        self.bar = progress(total=total_steps, initial=start_step, desc=desc, unit="step", leave=True)
+        # quiet_s=0: a training run's lines (loss, grad norm, skipped updates) are its record in the log, however short.
+        self.bar = progress(total=total_steps, initial=start_step, desc=desc, unit="step", leave=True, quiet_s=0)
 
-    def log(self, record: dict[str, Any], advance: bool = True) -> None:
+    def log(self, record: dict[str, Any], advance: bool = True, track: bool = True) -> None:
+        """Append ``record`` to ``metrics.jsonl`` (every record: the run's own log, which the report draws and
+        resume cuts); with ``track`` (every ``train.log_every``-th step, evaluations) also send it to the
+        trackers and the exporter and show its figures in the progress line. ``advance``: a step ended."""
         if advance and self.pending:
             record, self.pending = {**record, **self.pending}, {}
         if "loss" in record:
@@ -147,15 +151,17 @@ class MetricsSink:
                 raise DiskFullError(errno.ENOSPC, f"no space left on the device writing {self.path}: free space "
                                     "and rerun to resume from the last checkpoint") from exc
             raise
-        for tracker in self.trackers:
-            tracker.log(record)
-        if self.exporter is not None:
-            self.exporter.observe(record)
+        if track:
+            for tracker in self.trackers:
+                tracker.log(record)
+            if self.exporter is not None:
+                self.exporter.observe(record)
         if self.bar is not None and advance:
-            shown = {k: f"{record[k]:.4g}" for k in ("loss", "grad_norm", "lr") if k in record}
-            if record.get("skipped"):
-                shown["update"] = "SKIPPED"  # a nan/inf or spiking loss is never shown as if it were applied
-            self.bar.set_postfix(shown, refresh=False)
+            if track:
+                shown = {k: f"{record[k]:.4g}" for k in ("loss", "grad_norm", "lr") if k in record}
+                if record.get("skipped"):
+                    shown["update"] = "SKIPPED"  # a nan/inf or spiking loss is never shown as if it were applied
+                self.bar.set_postfix(shown, refresh=False)
             self.bar.update(1)
 
     def step_finished(self, next_step: int, updates: Sequence[Any] = ()) -> None:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import re
+import sys
 from typing import Any
 
 import torch
@@ -28,8 +31,10 @@ from transformers import AutoModelForSequenceClassification
 from posttrain import dist
 from posttrain.algorithms.reward import bradley_terry_loss
 from posttrain.config.preference import RewardModelRecipe
+from posttrain.data.errors import DataError
 from posttrain.models.attention import attention_for, transformers_name
 from posttrain.models.load import DTYPES, load_tokenizer, model_source
+from posttrain.train.checkpoint import quiet_hf_progress
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
@@ -87,15 +92,64 @@ def reward_inputs(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {key: batch[key].to(device) for key in (*MODEL_KEYS, "last_index")}
 
 
+class _HeldLoadReport(logging.Filter):
+    """Holds back transformers' "LOAD REPORT" (a table of checkpoint keys the model did not expect or did not
+    find, under an ANSI-bold title even in a log) while a reward model loads: ``load_reward_lm`` decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.held: list[logging.LogRecord] = []
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "LOAD REPORT" in record.getMessage():
+            self.held.append(record)
+            return False
+        return True
+
+
+def _said_load_report(path: str, info: dict[str, Any], held: list[logging.LogRecord]) -> None:
+    """A causal LM loaded as a reward model always lacks the score head and has an LM head to spare: one
+    plain line says so. Any other difference is transformers' own report, passed on (without ANSI codes
+    when stderr is not a terminal)."""
+    missing, unexpected = sorted(info.get("missing_keys") or ()), sorted(info.get("unexpected_keys") or ())
+    expected = (all(key.startswith("score.") for key in missing) and all(key.startswith("lm_head.") for key in unexpected)
+                and not info.get("mismatched_keys") and not info.get("error_msgs"))
+    if expected:
+        if missing:
+            unused = f"; the checkpoint's {', '.join(unexpected)} is not used" if unexpected else ""
+            say(f"reward model from {path}: a new score head ({', '.join(missing)}, seeded random init){unused}")
+        return
+    _pass_on(held)
+
+
+def _pass_on(held: list[logging.LogRecord]) -> None:
+    plain = not sys.stderr.isatty()
+    for record in held:
+        if plain:
+            record.msg, record.args = re.sub(r"\x1b\[[0-9;]*m", "", record.getMessage()), None
+        logging.getLogger(record.name).handle(record)
+
+
 def load_reward_lm(path: str, dtype: str, attn_implementation: str, trust_remote_code: bool, pad_token_id: int,
                    device: torch.device | str = "cpu", quantization_config=None) -> torch.nn.Module:
     placed = {} if quantization_config is None else {"quantization_config": quantization_config,
                                                      "device_map": {"": torch.device(device)}}
-    with model_source(path):
-        lm = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
-            trust_remote_code=trust_remote_code, **placed,
-        )
+    quiet_hf_progress()  # no carriage-return "Loading weights" bar in a log
+    report = _HeldLoadReport()
+    loader_log = logging.getLogger("transformers.modeling_utils")
+    loader_log.addFilter(report)
+    try:
+        with model_source(path):
+            lm, info = AutoModelForSequenceClassification.from_pretrained(
+                path, num_labels=1, dtype=DTYPES[dtype], attn_implementation=transformers_name(attn_implementation),
+                trust_remote_code=trust_remote_code, output_loading_info=True, **placed,
+            )
+    except BaseException:
+        loader_log.removeFilter(report)
+        _pass_on(report.held)  # transformers raises after its report (mismatched shapes…): the report is the why
+        raise
+    loader_log.removeFilter(report)
+    _said_load_report(path, info, report.held)
     # HF's own forward finds the last token through pad_token_id: without it, batched scoring refuses to run.
     lm.config.pad_token_id = pad_token_id
     lm.config.use_cache = False
@@ -115,8 +169,8 @@ def holdout_split(pairs: list[TokenizedPair], fraction: float) -> tuple[list[Tok
 def _check_scores(data: PairData, path: str) -> None:
     missing = [p.id for p in data.pairs if p.chosen_score is None or p.rejected_score is None]
     if missing:
-        raise ValueError(f"{path}: rm.score_margin needs chosen_score and rejected_score on every pair; "
-                         f"{len(missing)} pair(s) lack them (first: {missing[:3]}); set rm.score_margin=false")
+        raise DataError(path, None, None, f"rm.score_margin needs chosen_score and rejected_score on every pair; "
+                        f"{len(missing)} pair(s) lack them (first: {missing[:3]}); set rm.score_margin=false")
 
 
 def _margins(pairs: list[TokenizedPair], enabled: bool) -> torch.Tensor | None:
@@ -202,7 +256,9 @@ def run_reward_model(config: RewardModelRecipe) -> int:
         if config.rm.score_margin:
             _check_scores(data, config.data.train)
         if not held_out:
-            raise ValueError("no held-out pairs: add data.eval or raise rm.holdout_fraction")
+            raise DataError(config.data.train, None, None, f"no pair fell in the held-out split "
+                            f"(rm.holdout_fraction={config.rm.holdout_fraction} of {len(data.pairs)} pairs): raise "
+                            "rm.holdout_fraction or add data.eval")
 
         def load_lm(config: RewardModelRecipe, tokenizer) -> torch.nn.Module:
             model = config.model

@@ -119,8 +119,12 @@ def _plan_on_main(config: TrainingRecipe, store: RunStore, identity: RunIdentity
     return plan
 
 
-def start_run(config: TrainingRecipe) -> Run:
+def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], None] | None = None) -> Run:
     """Process group, seeds, the run store, the resume decision and the resolved ``config.yaml``.
+
+    Nothing is written (no directory, lock or ``config.yaml``) before ``model.path`` is found loadable
+    (``check_model_path``: on disk, or on the hub or in its cache, within seconds) and ``check_data(config)``,
+    the recipe's look at its data files, has passed.
 
     The resume decision (``posttrain.train.identity.plan_resume``) is made once on rank 0, before any data
     is read, and shared with every rank; a refused resume raises ``ResumeError``. With a remote
@@ -128,7 +132,9 @@ def start_run(config: TrainingRecipe) -> Run:
     mirror (``posttrain.store``); on other nodes, the first process fetches that checkpoint too. The config is
     not changed after ``config.yaml`` is written.
     """
-    check_model_path(config.model.path)  # a mistyped path fails here, before any run state is written
+    check_model_path(config.model.path)  # a mistyped path or an unreachable hub id fails here, before any run state
+    if check_data is not None:
+        check_data(config)  # and so does data that cannot train
     dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)

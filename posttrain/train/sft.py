@@ -1,7 +1,8 @@
 """``posttrain sft``: supervised fine-tuning with an optional easy-to-hard curriculum.
 
-setup → tokenise → units (curriculum order, optionally packed) → the loop with a ``StreamSource`` and
-the SFT loss (``posttrain.algorithms.sft``) → held-out loss (``data.eval``) → export.
+setup (the model path and the local data files checked before anything is written) → read the data (refused
+before the model loads) → model → tokenise → units (curriculum order, optionally packed) → the loop with a
+``StreamSource`` and the SFT loss (``posttrain.algorithms.sft``) → held-out loss (``data.eval``) → export.
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ from posttrain import dist
 from posttrain.algorithms.sft import sft_loss
 from posttrain.config.recipes import SFTRecipe
 from posttrain.data.errors import DataError
-from posttrain.data.io import read_records
+from posttrain.data.io import peek_records, read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
+from posttrain.data.records import SFTExample
 from posttrain.data.tokenize import TokenizedExample, tokenize_records
 from posttrain.models.attention import attention_kwargs
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel, batch_positions
@@ -55,19 +57,43 @@ class SFTData:
     dropped: Counter
 
 
-def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str) -> SFTData:
-    """Read and tokenise SFT records; an example left with no trained token is dropped and counted.
+def _what(config: SFTRecipe, path: str) -> str:
+    return "training set" if path == config.data.train else "eval set"
 
-    A template that rewrites earlier turns (Qwen3-style) gives one row per such turn
-    (``posttrain.data.tokenize``); the count says so.
-    """
+
+def check_sft_data(config: SFTRecipe) -> None:
+    """``start_run``'s data check, before the run writes anything or loads the model: each local file as far as
+    ``peek_records`` can judge it — its first bad record under ``on_error: raise``, and for a file it read whole,
+    ``check_usable`` and the curriculum's refusal. A longer file is judged by ``read_sft``, before the model loads."""
+    for path in (config.data.train, config.data.eval):
+        peek = peek_records(path, "sft", config.data.format, config.data.on_error,
+                            config.data.max_record_bytes) if path else None
+        if peek is None or not peek.complete:
+            continue
+        peek.report.check_usable(_what(config, path))
+        if path == config.data.train:
+            checked_curriculum(config, [Difficulty(r.tier, r.difficulty) for r in peek.records])
+
+
+def read_sft(config: SFTRecipe, path: str, quarantine_suffix: str) -> list[SFTExample]:
+    """Every SFT record of ``path`` (bad ones quarantined under ``data.on_error: quarantine``); a file with nothing
+    usable, or mostly quarantined, stops here (``ReadReport.check_usable``)."""
     quarantine = config.data.quarantine_path or f"{working_dir(config.output_dir, config.store.local_dir)}/quarantine{quarantine_suffix}.jsonl"
     records, report = read_records(
         path, kind="sft", fmt=config.data.format, on_error=config.data.on_error, quarantine_path=quarantine,
         split_across_ranks=True, max_record_bytes=config.data.max_record_bytes,
     )
     say(report.summary())
-    report.check_usable("training set" if path == config.data.train else "eval set")  # nothing or mostly quarantined
+    report.check_usable(_what(config, path))  # nothing or mostly quarantined
+    return records
+
+
+def tokenize_sft(config: SFTRecipe, path: str, records: list[SFTExample], tokenizer) -> SFTData:
+    """Tokenise SFT records; an example left with no trained token is dropped and counted.
+
+    A template that rewrites earlier turns (Qwen3-style) gives one row per such turn
+    (``posttrain.data.tokenize``); the count says so.
+    """
     rows, tokens = tokenize_records(records, tokenizer, config.train.max_length, config.data.truncation_side,
                                     progress=dist.is_main())
     examples, dropped = [], Counter()
@@ -90,13 +116,23 @@ def tokenize_sft(config: SFTRecipe, path: str, tokenizer, quarantine_suffix: str
     return SFTData(examples, dropped)
 
 
-def curriculum_items(config, items: list[Difficulty]) -> list[Difficulty]:
-    """The items, after refusing (or warning about) a curriculum the data carries no tiers for."""
+def checked_curriculum(config, items: list[Difficulty]) -> str | None:
+    """``check_curriculum`` on ``data.train``'s items: its refusal as a ``DataError``, else its warning text."""
     try:
-        warning = check_curriculum(config.data.curriculum, items, config.data.train)
+        return check_curriculum(config.data.curriculum, items, config.data.train)
     except ValueError as exc:
         raise DataError(config.data.train, None, "tier", str(exc).split(": ", 1)[1]) from None
-    if warning:
+
+
+def curriculum_items(config, items: list[Difficulty]) -> list[Difficulty]:
+    """The items, after refusing (or warning about) a curriculum the data carries no tiers for.
+
+    ``tiered`` on data with no ``tier`` at all trains in a seeded shuffle: said in one ``[posttrain] warning:``
+    line (the run is as asked, in another order); partly tagged data is a Python warning."""
+    warning = checked_curriculum(config, items)
+    if warning and config.data.curriculum == "tiered" and all(item.tier is None for item in items):
+        say(f"warning: {warning}")
+    elif warning:
         warnings.warn(warning, stacklevel=2)
     return items
 
@@ -212,16 +248,21 @@ def mean_loss_evaluator(units: list, batch_size: int, pad_id: int, packing: bool
 
 
 def run_sft(config: SFTRecipe) -> int:
-    run = start_run(config)
+    run = start_run(config, check_data=check_sft_data)
     try:
         if run.finished:
             return 0
         geometry = batch_geometry(config)
+        # The data is read, and refused, before the model loads: a model can take minutes to load.
+        records = read_sft(config, config.data.train, "")
+        checked_curriculum(config, [Difficulty(r.tier, r.difficulty) for r in records])  # warned once, below
+        eval_records = read_sft(config, config.data.eval, "-eval") if config.data.eval else []
         root, lm, tokenizer = build_policy(config, sft_root(config))
         pad_id = tokenizer.pad_token_id
-        data = tokenize_sft(config, config.data.train, tokenizer, "")
+        data = tokenize_sft(config, config.data.train, records, tokenizer)
+        del records  # the tokenised examples hold what training needs
         units = build_units(config, data.examples, pad_id)
-        eval_examples = tokenize_sft(config, config.data.eval, tokenizer, "-eval").examples if config.data.eval else []
+        eval_examples = tokenize_sft(config, config.data.eval, eval_records, tokenizer).examples if eval_records else []
         eval_units = pack_examples(eval_examples, config.train.max_length, pad_id) if config.data.packing else eval_examples
         leftover = len(units) % geometry.global_batch
         say(

@@ -7,7 +7,9 @@ communication).
 
 Curricula (``data.curriculum``):
 - ``none``: each epoch is a fresh permutation.
-- ``tiered``: each epoch is ordered easy to hard — tier 1, then 2, then 3 (shuffled within a tier).
+- ``tiered``: each epoch is ordered easy to hard — tier 1, then 2, then 3 (shuffled within a tier). On data
+  with no ``tier`` at all every record sits in one tier, so the order is the seeded shuffle of ``none``
+  (``check_curriculum`` says so in a warning); ``tiered_strict`` orders the same way and refuses such data.
 - ``competence``: competence-based pacing (Platanios et al., 2019). At step t the sampler draws
   uniformly from the easiest fraction ``c(t) = min(1, sqrt(c0² + (1 − c0²) · t / T))`` of the data,
   sorted by (tier, difficulty); c rises from ``c0`` to 1 at step ``T``.
@@ -52,7 +54,7 @@ def competence(step: int, total_steps: int, start: float) -> float:
 def epoch_order(items: Sequence[Difficulty], curriculum: str, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
     rng = np.random.default_rng([seed, epoch])
     n = len(items)
-    if curriculum == "tiered":
+    if curriculum in ("tiered", "tiered_strict"):
         tiers = np.array([item.tier if item.tier is not None else 2 for item in items])
         parts = []
         for tier in sorted(set(tiers.tolist())):
@@ -106,17 +108,26 @@ def build_stream(
 
 
 def check_curriculum(curriculum: str, items: Sequence[Difficulty], source: str) -> str | None:
-    """Refuse a curriculum the data cannot drive; return a warning text when only some items are tagged.
+    """Refuse a curriculum the data cannot drive; return a warning text when only some items are tagged, or
+    when ``tiered`` falls back to a seeded shuffle because none is.
 
-    ``tiered`` orders by ``tier``, ``competence`` by (tier, difficulty): on data without either, both would
-    silently train in an arbitrary order. Untagged items sit in the middle (tier 2, difficulty 0).
+    ``tiered`` orders by ``tier``, ``competence`` by (tier, difficulty). Untagged items sit in the middle (tier 2,
+    difficulty 0). On data with no ``tier`` at all, ``tiered`` is the seeded shuffle of ``none`` (one tier,
+    shuffled: the packaged SFT recipes are tiered, and a newcomer's chat file has no tiers), said in the returned
+    warning; ``tiered_strict`` and ``competence`` refuse such data (their order would be arbitrary).
     """
     if curriculum == "none" or not items:
         return None
     tiered = sum(item.tier is not None for item in items)
     scored = sum(item.difficulty is not None for item in items)
-    usable = tiered if curriculum == "tiered" else max(tiered, scored)
-    needs = "`tier` (1-3)" if curriculum == "tiered" else "`tier` (1-3) or `difficulty`"
+    by_tier = curriculum in ("tiered", "tiered_strict")
+    usable = tiered if by_tier else max(tiered, scored)
+    needs = "`tier` (1-3)" if by_tier else "`tier` (1-3) or `difficulty`"
+    if usable == 0 and curriculum == "tiered":
+        return (f"{source}: data.curriculum=tiered but none of the {len(items)} records has {needs}: training in a "
+                "seeded shuffle (train.seed), as data.curriculum=none would; tag the records (posttrain curate assigns "
+                "tiers), set data.curriculum=none to silence this, or data.curriculum=tiered_strict to refuse "
+                "untiered data")
     if usable == 0:
         raise ValueError(
             f"{source}: data.curriculum={curriculum} but none of the {len(items)} records has {needs}, so it "

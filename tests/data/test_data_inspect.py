@@ -1,4 +1,4 @@
-"""``posttrain data inspect``: formats, counts, token lengths, bad records; exit 2 on malformed input."""
+"""``posttrain data inspect``: formats, counts, token lengths, every bad record by reason; exit 2 when any is bad."""
 
 from __future__ import annotations
 
@@ -45,11 +45,27 @@ def test_human_output_is_a_table(sample_file, tiny_model_dir, capsys):
     assert "bad records: none" in out
 
 
-def test_malformed_file_exits_2_naming_file_line_and_field(tmp_path, capsys):
+def test_every_bad_record_is_counted_by_default_and_the_exit_code_says_so(tmp_path, capsys):
+    path = tmp_path / "bad.jsonl"
+    rows = [json.dumps(PAIR), json.dumps({"prompt": "q", "chosen": "a", "rejected": 3}), json.dumps(PAIR), "{broken",
+            json.dumps(dict(PAIR, rejected="apple"))]
+    path.write_text("\n".join(rows) + "\n")
+    assert main(["data", "inspect", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert "read 5 = accepted 2 + quarantined 3" in captured.out  # the read went past the first bad record
+    table = captured.out.split("bad records")[1]
+    assert "malformed JSON" in table and "identical chosen/rejected" in table
+    err = captured.err.strip().splitlines()[-1]
+    assert err.startswith(f"posttrain: {path}: 3 bad records") and "line 2" in err and "--on-error" in err
+
+
+def test_raise_mode_stops_at_the_first_bad_record_naming_file_line_and_field(tmp_path, capsys):
     path = tmp_path / "bad.jsonl"
     path.write_text(json.dumps(PAIR) + "\n" + json.dumps({"prompt": "q", "chosen": "a", "rejected": 3}) + "\n")
-    assert main(["data", "inspect", str(path)]) == 2
-    assert f"{path}:2: `rejected`: expected a string or a list of messages, got int" in capsys.readouterr().err
+    assert main(["data", "inspect", str(path), "--on-error", "raise"]) == 2
+    captured = capsys.readouterr()
+    assert f"{path}:2: `rejected`: expected a string or a list of messages, got int" in captured.err
+    assert captured.out == ""
 
 
 def test_quarantine_mode_reports_bad_records_by_reason(tmp_path, capsys):
@@ -74,6 +90,8 @@ def test_kind_filter_and_forced_format(tmp_path, capsys):
     path = tmp_path / "pairs.jsonl"
     path.write_text(json.dumps(PAIR) + "\n")
     assert main(["data", "inspect", str(path), "--kind", "sft"]) == 2
+    assert "wrong record kind      1" in capsys.readouterr().out
+    assert main(["data", "inspect", str(path), "--kind", "sft", "--on-error", "raise"]) == 2
     assert "where 'sft' records are expected" in capsys.readouterr().err
     assert main(["data", "inspect", str(path), "--format", "preference", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["report"]["formats"] == {"preference": 1}
@@ -88,9 +106,11 @@ def test_preference_and_rl_lengths(tmp_path, tiny_model_dir, capsys):
     assert tokens["preference"]["count"] == tokens["rl"]["count"] == 1
 
 
-def test_quarantine_file_needs_quarantine_mode(sample_file, tmp_path, capsys):
-    assert main(["data", "inspect", str(sample_file), "--quarantine-file", str(tmp_path / "q.jsonl")]) == 2
-    assert "needs --on-error quarantine" in capsys.readouterr().err
+def test_quarantine_file_is_refused_in_raise_mode(sample_file, tmp_path, capsys):
+    args = ["data", "inspect", str(sample_file), "--quarantine-file", str(tmp_path / "q.jsonl")]
+    assert main([*args, "--on-error", "raise"]) == 2
+    assert "needs --on-error count or quarantine" in capsys.readouterr().err
+    assert main(args) == 0 and not (tmp_path / "q.jsonl").exists()  # count mode: nothing bad, nothing written
 
 
 def test_length_stats_uses_actual_lengths():

@@ -17,6 +17,7 @@ from posttrain.data.io import (
     iter_raw_records,
     jsonl_writer,
     parse_json_line,
+    peek_records,
     read_jsonl,
     read_records,
     source_layout,
@@ -337,3 +338,38 @@ def test_to_plain_jsonl_copies_lines_of_any_length_and_keeps_line_numbers(tmp_pa
     assert copied == b"\n".join([lines[0][3:], *lines[1:]]) + b"\n"
     assert [number for number, _ in sizes] == [1, 2, 3, 4]
     assert [size for _, size in sizes] == [len(line) + 1 for line in copied.split(b"\n")[:-1]]
+
+
+# --- peek_records: the look before a run writes or loads anything ------------------------------------
+
+
+def test_peek_reads_a_small_file_whole_as_the_full_read_does_and_writes_nothing(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(json.dumps(GOOD_SFT) + "\n\n" + json.dumps({"prompt": "Only a prompt."}) + "\n"
+                    + json.dumps(GOOD_SFT) + "\n")
+    peek = peek_records(str(path), "sft", on_error="quarantine")
+    _, full = read_records(str(path), "sft", on_error="quarantine")
+    assert peek.complete and len(peek.records) == 2
+    assert (peek.report.read, peek.report.accepted, peek.report.quarantined, peek.report.blank_lines) == \
+        (full.read, full.accepted, full.quarantined, full.blank_lines) == (3, 2, 1, 1)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train.jsonl"]  # no quarantine file
+    with pytest.raises(DataError, match=r"train\.jsonl:3: "):  # on_error=raise: the full read's first error
+        peek_records(str(path), "sft")
+
+
+def test_peek_stops_at_its_limit_across_shards_and_says_so(tmp_path, monkeypatch):
+    import posttrain.data.io
+
+    shards = tmp_path / "train"
+    shards.mkdir()
+    for index in range(3):
+        (shards / f"part-{index}.jsonl").write_text((json.dumps(GOOD_SFT) + "\n") * 4)
+    monkeypatch.setattr(posttrain.data.io, "PEEK_RECORDS", 6)
+    peek = peek_records(str(shards), "sft")
+    assert not peek.complete and len(peek.records) == 6 and peek.report.read == 6
+    monkeypatch.setattr(posttrain.data.io, "PEEK_RECORDS", 12)
+    peek = peek_records(str(shards), "sft")
+    assert peek.complete and len(peek.records) == 12
+    with pytest.raises(FileNotFoundError, match="missing.jsonl"):
+        peek_records(str(tmp_path / "missing.jsonl"), "sft")
+    assert peek_records("s3://bucket/train.jsonl", "sft") is None  # remote: left to the one full read

@@ -205,7 +205,8 @@ def test_default_config_is_one_verifier_term():
     ({"terms": [{"kind": "reward_model"}]}, "a reward_model term needs `path`"),
     ({"terms": [{"kind": "verifier", "path": "rm/"}]}, "`path` applies to reward_model terms only"),
     ({"terms": [{"kind": "python"}]}, 'a python term needs `function: "module:attr"`'),
-    ({"terms": [{"kind": "python", "function": "no_colon"}]}, '`function` must read "module:attr"'),
+    ({"terms": [{"kind": "python", "function": "no_colon"}]}, '`function` must read "module:attr" or "path/to/file.py:attr"'),
+    ({"terms": [{"kind": "python", "function": "rewards.py"}]}, '`function` must read "module:attr"'),
     ({"terms": [{"kind": "verifier", "verifier": "numerc"}]}, "did you mean `numeric`"),
     ({"terms": [{"kind": "verifier", "weigth": 2}]}, "`terms.0.weigth`: unknown key; did you mean `terms.0.weight`"),
     ({"terms": [{"weight": float("nan")}]}, "must be a finite number"),
@@ -227,3 +228,36 @@ def test_config_errors_say_what_to_fix(data, message):
 def test_a_python_term_that_cannot_load_fails_when_the_function_is_built(function, message):
     with pytest.raises(ValueError, match=message):
         RewardFunction(RewardConfig(terms=[RewardTerm(kind="python", function=function)], workers=0))
+
+
+def test_a_python_term_can_name_a_file_and_pool_workers_load_it_too(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a relative file is taken from the working directory, in the workers as here
+    (tmp_path / "my_rewards.py").write_text("from dataclasses import dataclass\n\n"
+                                            "@dataclass\nclass Weight:\n    per_char: float = 0.5\n\n"
+                                            "def scaled_length(prompt, completion):\n"
+                                            "    return Weight().per_char * len(completion)\n")
+    term = {"kind": "python", "function": "my_rewards.py:scaled_length"}
+    for workers in (0, 1):
+        batch, _ = rewards([term], [sum_prompt(1, 1)] * 2, ["abcd", "ab"], workers=workers)
+        assert batch.rewards == [2.0, 1.0] and not batch.failures
+    assert RewardTerm(**term).label == "my_rewards.py:scaled_length"
+
+
+@pytest.mark.parametrize(("function", "message"), [
+    ("not_there.py:f", "not_there.py: no such file under"),
+    ("syntax.py:f", "cannot import syntax.py (SyntaxError: "),
+    ("ok.py:scroe", "ok.py has no attribute 'scroe'; did you mean 'score'?"),
+    ("no_such_pkg.rewards:f", 'PYTHONPATH, or name the file: "path/to/rewards.py:f"'),
+])
+def test_a_reward_that_cannot_load_is_a_setup_error_the_cli_reports_as_bad_input(tmp_path, monkeypatch, function,
+                                                                                 message):
+    from posttrain.cli import is_bad_input
+    from posttrain.rl.rewards import RewardSetupError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "syntax.py").write_text("def f(:\n")
+    (tmp_path / "ok.py").write_text("def score(prompt, completion):\n    return 1.0\n")
+    with pytest.raises(RewardSetupError, match=message.replace("(", r"\(").replace(")", r"\)").replace(".", r"\.")
+                       .replace("?", r"\?")) as caught:
+        RewardFunction(RewardConfig(terms=[RewardTerm(kind="python", function=function)], workers=0))
+    assert is_bad_input(caught.value)

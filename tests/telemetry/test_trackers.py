@@ -104,6 +104,21 @@ def test_mlflow_file_store_holds_every_step_record_and_the_config_as_params(trac
     assert not any("s3cr3tT0ken" in value for value in run.data.params.values())
 
 
+def test_log_every_thins_the_trackers_but_not_metrics_jsonl(tiny_model_dir, sft_data, tmp_path, monkeypatch):
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    out = tmp_path / "run"
+    assert run_in_process(base_overrides(tiny_model_dir, sft_data, out, **{
+        "train.max_steps": 6, "train.log_every": 2,
+        "metrics.mlflow": "{tracking_uri: file://" + str(tmp_path / "mlruns") + ", experiment: thin}"})) == 0
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if "loss" in r] == [0, 1, 2, 3, 4, 5]
+    client = MlflowClient(tracking_uri=f"file://{tmp_path / 'mlruns'}")
+    (run,) = client.search_runs([client.get_experiment_by_name("thin").experiment_id])
+    # Every log_every-th step, and the last one (so a dashboard shows where the run ended).
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "loss")] == [0, 2, 4, 5]
+
+
 def test_a_configured_tracker_that_is_not_installed_names_the_extra(monkeypatch):
     from posttrain.config.sections import MetricsConfig
 

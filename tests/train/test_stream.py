@@ -5,7 +5,7 @@ import pytest
 
 from posttrain.train.schedule import lr_multiplier
 from posttrain.train.source import BatchGeometry, BatchSizeError
-from posttrain.train.stream import Difficulty, build_stream, competence, difficulty_order
+from posttrain.train.stream import Difficulty, build_stream, check_curriculum, competence, difficulty_order
 
 
 def items(n=30):
@@ -78,3 +78,28 @@ def test_lr_schedules():
     assert abs(lr_multiplier(100, 100, "cosine", 10, 0.1) - 0.1) < 1e-12
     assert abs(lr_multiplier(55, 100, "linear", 10, 0.0) - 0.5) < 1e-12
     assert lr_multiplier(99, 100, "constant", 0, 0.0) == 1.0
+
+
+def test_tiered_on_untiered_data_is_the_seeded_shuffle_of_none_and_strict_refuses_it():
+    untiered = [Difficulty(tier=None, difficulty=None) for _ in range(12)]
+    for shuffle in (True, False):
+        tiered = build_stream(untiered, "tiered", seed=3, epochs=2.0, examples_per_step=4, max_steps=None,
+                              shuffle=shuffle)
+        plain = build_stream(untiered, "none", seed=3, epochs=2.0, examples_per_step=4, max_steps=None,
+                             shuffle=shuffle)
+        assert tiered.tolist() == plain.tolist()  # the fallback is exactly data.curriculum=none
+    warning = check_curriculum("tiered", untiered, "train.jsonl")
+    assert warning is not None and "none of the 12 records has `tier`" in warning and "seeded shuffle" in warning
+    assert "data.curriculum=tiered_strict" in warning
+    with pytest.raises(ValueError, match="data.curriculum=tiered_strict but none of the 12 records has `tier`"):
+        check_curriculum("tiered_strict", untiered, "train.jsonl")
+    with pytest.raises(ValueError, match="data.curriculum=competence but none of the 12 records"):
+        check_curriculum("competence", untiered, "train.jsonl")
+
+
+def test_tiered_strict_orders_tagged_data_as_tiered_does():
+    data = items()
+    assert check_curriculum("tiered_strict", data, "train.jsonl") is None
+    strict = build_stream(data, "tiered_strict", seed=1, epochs=1.0, examples_per_step=3, max_steps=None)
+    assert strict.tolist() == build_stream(data, "tiered", seed=1, epochs=1.0, examples_per_step=3,
+                                           max_steps=None).tolist()
