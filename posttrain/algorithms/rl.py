@@ -5,7 +5,8 @@ No critic: the other completions sampled for the same prompt (its *group*) are t
 1. ``ADVANTAGES[name](rewards [n], group_ids [n]) -> [n]``: one advantage per completion, computed over
    the step's **global** batch of rewards (every rank's completions, so 2 ranks == 1 rank);
 2. per micro-batch, ``rl_token_loss(...) -> (per_token_loss [B,T], stats)``: the policy loss
-   (``POLICY_LOSSES``) with the advantage broadcast over the completion's tokens, plus ``β·KL`` to a
+   (``POLICY_LOSSES``) with the advantage broadcast over the completion's tokens, times the
+   training–inference mismatch weights (``IS_CORRECTIONS``, off by default), plus ``β·KL`` to a
    reference (``KL_ESTIMATORS``, off by default);
 3. ``AGGREGATIONS[name]``: the micro-batch's ``numerator`` (a sum, what the loss function returns) and the
    update's ``denominator`` from ``loss_units`` counted over all micro-batches and ranks (the normaliser).
@@ -16,11 +17,13 @@ This module re-exports the ``rl_losses`` names, so ``posttrain.algorithms.rl`` i
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
 
 from posttrain.algorithms.registry import Registry
+from posttrain.algorithms.rl_corrections import IS_CORRECTIONS, mismatch_figures  # noqa: F401 - re-exported
 from posttrain.algorithms.rl_losses import (  # noqa: F401 - re-exported: one import for the RL math
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -177,6 +180,11 @@ def rl_token_loss(
     kl_beta: float = 0.0,
     ref_logprobs: torch.Tensor | None = None,
     kl_estimator: str = "k3",
+    behaviour_logprobs: torch.Tensor | None = None,
+    is_correction: str = "none",
+    is_cap: float = math.inf,
+    is_band: tuple[float, float] = (0.0, math.inf),
+    is_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """``ℓ_{i,t} = policy_loss_{i,t} + β·KL_{i,t}`` per token ``[B,T]``, and the micro-batch's stat sums.
 
@@ -191,6 +199,13 @@ def rl_token_loss(
     entry. Stats (detached sums over the masked tokens, so they add over micro-batches and ranks):
     ``loss_tokens``, ``clip_low_tokens``, ``clip_high_tokens`` and, with a reference, ``kl_sum``;
     ``clip_fractions`` turns the summed stats into fractions.
+
+    Training–inference mismatch (``rl_corrections``): with ``is_correction`` other than ``none``,
+    ``old_logprobs`` are the *trainer's* log-probs under the sampling weights and ``behaviour_logprobs
+    [B,T]`` the sampler's; the policy term is multiplied by ``IS_CORRECTIONS[is_correction]``'s weights
+    (cap ``is_cap`` for ``tis``, band ``is_band`` for ``mis``, per ``is_level``), the KL term is not, and
+    the stats gain ``is_weight_sum``, ``is_truncated_tokens``, ``is_masked_tokens``. With ``none`` nothing
+    is computed and ``old_logprobs`` are whatever the caller passes (the sampler's, in ``posttrain grpo``).
     """
     if not kl_beta >= 0.0:
         raise ValueError(f"kl_beta must be >= 0 (0 turns the KL term off), got {kl_beta}")
@@ -200,6 +215,14 @@ def rl_token_loss(
             "without a reference model"
         )
     per_token, stats = POLICY_LOSSES.get(policy_loss)(logprobs, old_logprobs, advantages, mask, clip_low, clip_high)
+    if is_correction != "none":
+        if old_logprobs is None or behaviour_logprobs is None:
+            raise ValueError(f"is_correction={is_correction!r} needs old_logprobs (the trainer's, under the sampling "
+                             "weights) and behaviour_logprobs (the sampler's)")
+        weights, is_stats = IS_CORRECTIONS.get(is_correction)(
+            old_logprobs, behaviour_logprobs, mask, cap=is_cap, low=is_band[0], high=is_band[1], level=is_level)
+        per_token = per_token * weights.to(per_token.dtype)
+        stats.update(is_stats)
     if ref_logprobs is not None:
         kl = kl_per_token(logprobs, ref_logprobs, mask, kl_estimator)
         stats["kl_sum"] = kl.detach().sum()

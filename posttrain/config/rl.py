@@ -13,6 +13,7 @@ from pydantic import Field, model_validator
 from posttrain.config.loader import StrictModel
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.config.registry import register_recipe
+from posttrain.config.rollout import RolloutConfig
 from posttrain.config.sections import DataConfig, TrainConfig
 from posttrain.rl.reward_config import RewardConfig
 
@@ -90,14 +91,36 @@ class RLConfig(StrictModel):
     pass_rate_high: float = Field(default=1.0, ge=0, le=1, description="Skip prompts whose pass rate so far is >= "
                                   "this (solved); 1 keeps them.")
     pass_rate_min_tries: int = Field(default=4, ge=1, description="Samples of a prompt before its pass rate counts.")
+    max_staleness: int = Field(default=0, ge=0, description="k: step s trains on rollouts sampled with the weights "
+                               "of step s - k (0: synchronous), so sampling can run k steps ahead; fixed, hence "
+                               "reproducible and resumable (docs/rl.md).")
+    is_correction: str = Field(default="none", description="Training-inference mismatch correction "
+                               "(IS_CORRECTIONS): none, tis (truncated importance sampling, cap is_cap) or mis "
+                               "(mask ratios outside is_band).")
+    is_cap: float = Field(default=2.0, ge=1, description="C of tis: weight min(pi_train/pi_sampler, C); .inf for "
+                          "no cap.")
+    is_band: tuple[float, float] = Field(default=(0.5, 2.0), description="[low, high] of mis: ratios outside are "
+                                         "masked; must hold 1.")
+    is_level: Literal["token", "sequence"] = Field(default="token", description="Ratio per token, or one per "
+                                                   "completion (the product of its tokens').")
+    measure_mismatch: bool = Field(default=True, description="Recompute each rollout's log-probs with the trainer's "
+                                   "forward and the sampling weights (no gradient), logging rollout/logprob_abs_diff; "
+                                   "needed by is_correction tis and mis.")
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
         from posttrain.algorithms.registry import UnknownNameError
-        from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, KL_ESTIMATORS, POLICY_LOSSES
+        from posttrain.algorithms.rl import (
+            ADVANTAGES,
+            AGGREGATIONS,
+            IS_CORRECTIONS,
+            KL_ESTIMATORS,
+            POLICY_LOSSES,
+        )
 
         for key, registry in (("advantage", ADVANTAGES), ("policy_loss", POLICY_LOSSES),
-                              ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS)):
+                              ("aggregation", AGGREGATIONS), ("kl_estimator", KL_ESTIMATORS),
+                              ("is_correction", IS_CORRECTIONS)):
             try:
                 registry.get(getattr(self, key))
             except UnknownNameError as exc:
@@ -105,6 +128,12 @@ class RLConfig(StrictModel):
         if self.overlong_buffer >= self.max_new_tokens:
             raise ValueError(f"rl.overlong_buffer={self.overlong_buffer} must be below rl.max_new_tokens="
                              f"{self.max_new_tokens}: the penalty ramps over the last overlong_buffer tokens")
+        if self.is_correction != "none" and not self.measure_mismatch:
+            raise ValueError(f"rl.is_correction={self.is_correction} weighs the trainer's log-probs against the "
+                             "sampler's: set rl.measure_mismatch=true (or rl.is_correction=none)")
+        if not 0.0 <= self.is_band[0] <= 1.0 <= self.is_band[1]:
+            raise ValueError(f"rl.is_band={list(self.is_band)} must hold 1 (0 <= low <= 1 <= high), or on-policy "
+                             "tokens would be masked; e.g. rl.is_band=[0.5,2.0]")
         if (self.pass_rate_low, self.pass_rate_high) != (0.0, 1.0) and self.pass_rate_low >= self.pass_rate_high:
             raise ValueError(f"rl.pass_rate_low={self.pass_rate_low} must be below rl.pass_rate_high="
                              f"{self.pass_rate_high}")
@@ -120,6 +149,7 @@ class GRPORecipe(TrainingRecipe):
     train: RLTrainConfig = Field(default_factory=RLTrainConfig)
     rl: RLConfig = Field(default_factory=RLConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
 
     @model_validator(mode="after")
     def _check_lengths(self) -> GRPORecipe:
@@ -129,6 +159,10 @@ class GRPORecipe(TrainingRecipe):
         if self.rl.group_size == 1 and self.rl.advantage in ("grpo", "dr_grpo", "rloo"):
             raise ValueError(f"rl.group_size=1 gives rl.advantage={self.rl.advantage} no baseline (every advantage is "
                              "0); sample rl.group_size >= 2 completions per prompt")
+        lora = self.model.lora
+        if self.rollout.engine == "vllm" and lora is not None and lora.quantize != "none":
+            raise ValueError("rollout.engine=vllm receives merged full-precision weights; a 4-bit QLoRA base "
+                             "(model.lora.quantize=4bit) cannot be merged into them: use rollout.engine=hf")
         return self
 
 

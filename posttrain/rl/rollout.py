@@ -43,10 +43,10 @@ from typing import Any
 import torch
 
 from posttrain.data.chat import Prompt, encode_prompt
-from posttrain.generate.engine import HFBackend, SamplingParams
+from posttrain.generate.engine import Completion, HFBackend, SamplingParams
 from posttrain.models.logprobs import IGNORE_INDEX, batch_positions, loss_positions
 
-__all__ = ["Rollout", "completion_logprobs", "full_weights", "rollout_batch", "sample_rollouts"]
+__all__ = ["Rollout", "completion_logprobs", "full_weights", "rollout_batch", "sample_rollouts", "to_rollouts"]
 
 
 @dataclass
@@ -59,7 +59,10 @@ class Rollout:
     ``finish_reason``: "eos", "stop" (a stop string) or "length"; ``truncated`` is ``finish_reason ==
     "length"``. ``text``: the completion decoded without special tokens, cut before a stop string.
     ``prompt_key``: the prompt's seed key (its global index when ``prompt_keys`` was given);
-    ``sample_index``: which of the prompt's ``n`` samples this is.
+    ``sample_index``: which of the prompt's ``n`` samples this is. ``version``: the policy version that
+    sampled it (the loop step whose starting weights it came from); ``train_logprobs``: the trainer's
+    log-probs of ``completion_ids`` recomputed with those weights (``posttrain.rl.offpolicy``), or ``None``.
+    ``logprobs`` are the behaviour (sampler's) log-probs; the two differ by the training–inference mismatch.
     """
 
     prompt_key: int
@@ -71,6 +74,8 @@ class Rollout:
     truncated: bool
     text: str
     temperature: float
+    version: int = 0
+    train_logprobs: list[float] | None = None
 
 
 def _fsdp_modules(root: torch.nn.Module) -> list[Any]:
@@ -149,6 +154,13 @@ def sample_rollouts(
                                            seed_keys=prompt_keys)
     finally:
         root.train(was_training)
+    return to_rollouts(tokenizer, prompts, completions, params.temperature, prompt_keys)
+
+
+def to_rollouts(tokenizer: Any, prompts: Sequence[Prompt], completions: Sequence[Sequence[Completion]],
+                temperature: float, prompt_keys: Sequence[int] | None = None) -> list[list[Rollout]]:
+    """``Rollout``s from any engine's completions (``posttrain.generate.engine.Backend``), in prompt order: the
+    same record whichever engine sampled them (``posttrain.rl.engines``)."""
     keys = list(prompt_keys) if prompt_keys is not None else list(range(len(prompts)))
     rollouts = []
     for prompt, key, samples in zip(prompts, keys, completions, strict=True):
@@ -157,7 +169,7 @@ def sample_rollouts(
             Rollout(prompt_key=key, sample_index=index, prompt_ids=list(prompt_ids),
                     completion_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
                     finish_reason=c.finish_reason, truncated=c.finish_reason == "length", text=c.text,
-                    temperature=params.temperature)
+                    temperature=temperature)
             for index, c in enumerate(samples)
         ])
     return rollouts

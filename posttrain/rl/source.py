@@ -20,6 +20,14 @@ count on through the rounds of dynamic sampling) is sampled from a generator see
 ``(train.seed, t, j, s)``, whichever rank samples it. So a
 resumed run (same weights, same sampler state) samples the same completions, and 1 and 2 ranks sample
 the same batch.
+
+Bounded staleness (``rl.max_staleness = k``): the rollouts of step ``t`` are sampled — prompts drawn,
+completions sampled and scored, the trainer's log-probs recomputed (``posttrain.rl.offpolicy``) — at the
+start of step ``t − k``, with that step's weights (its *version*), and wait in a queue until step ``t``
+trains on them; the first ``k`` steps train on rollouts of version 0 (warm-up). ``k = 0`` is the
+synchronous loop, the same code path. The queue is part of ``state()`` (the next ``k`` steps' rollouts,
+encoded compactly), so a resumed run trains on exactly the rollouts the uninterrupted run would have. A
+step the loop skips drops its queued rollouts; the steps after it are then sampled one version later.
 """
 
 from __future__ import annotations
@@ -33,8 +41,9 @@ from typing import Any
 import torch
 
 from posttrain import dist
-from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, overlong_penalty
+from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, mismatch_figures, overlong_penalty
 from posttrain.data.records import RLPrompt
+from posttrain.rl.offpolicy import decode_rollout, encode_rollout, token_layout
 from posttrain.rl.prompts import PromptSampler
 from posttrain.rl.rollout import Rollout, rollout_batch
 from posttrain.train.source import BatchGeometry, StepBatch
@@ -80,6 +89,37 @@ class Group:
         return max(self.rewards) > min(self.rewards)
 
 
+@dataclass
+class Queued:
+    """The rollouts of one future step, sampled ahead with the weights of step ``version``: the kept groups,
+    what the draw measured (``metrics``) and the pass/try counts the prompt sampler learns on acceptance."""
+
+    step: int
+    version: int
+    groups: list[Group]
+    metrics: dict[str, Any]
+    outcomes: dict[int, tuple[int, int]]
+
+    def encode(self) -> dict[str, Any]:
+        groups = [{"position": g.position, "prompt": g.prompt_index,
+                   "samples": [{"reward": s.reward, "passed": s.passed, "rollout": encode_rollout(s.rollout)}
+                               for s in g.samples]} for g in self.groups]
+        return {"step": self.step, "version": self.version, "metrics": self.metrics, "groups": groups,
+                "outcomes": [[index, passed, tried] for index, (passed, tried) in sorted(self.outcomes.items())]}
+
+    @classmethod
+    def decode(cls, data: dict[str, Any]) -> Queued:
+        try:
+            groups = [Group(int(g["position"]), int(g["prompt"]),
+                            [Sample(decode_rollout(s["rollout"]), float(s["reward"]),
+                                    None if s["passed"] is None else bool(s["passed"])) for s in g["samples"]])
+                      for g in data["groups"]]
+            outcomes = {int(i): (int(p), int(t)) for i, p, t in data["outcomes"]}
+            return cls(int(data["step"]), int(data["version"]), groups, dict(data["metrics"]), outcomes)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"the checkpoint's queued rollouts are malformed: {exc}") from None
+
+
 def step_seed(seed: int, step: int) -> int:
     """The sampling seed of one step; with a prompt's draw position as its key (``prompt_keys``) the engine
     gives each completion its own generator. A fixed mixing, not Python's ``hash``, which is not promised
@@ -93,7 +133,7 @@ class GRPOSource:
     name = "grpo"
 
     def __init__(self, config, prompts: list[RLPrompt], sampler: PromptSampler, rollouts, rewards, total_steps: int,
-                 pad_id: int, reference=None):
+                 pad_id: int, reference=None, trainer_logprobs=None):
         self.config, self.rl, self.prompts, self.sampler = config, config.rl, prompts, sampler
         self.rollouts, self.rewards, self.reference, self.pad_id = rollouts, rewards, reference, pad_id
         self._total = total_steps
@@ -113,23 +153,33 @@ class GRPOSource:
         self._sampled_at = 0.0
         self.last_groups: list[Group] = []
         self.last_sequences: list[tuple[Sample, float]] = []
+        # trainer_logprobs(rollouts): sets each rollout's train_logprobs with the sampling weights (collective)
+        self.trainer_logprobs = trainer_logprobs
+        if self.rl.is_correction != "none" and trainer_logprobs is None:
+            raise ValueError(f"rl.is_correction={self.rl.is_correction} needs the trainer's log-probs of each rollout: "
+                             "pass trainer_logprobs (posttrain.rl.offpolicy.trainer_logprobs_fn)")
+        self.queue: list[Queued] = []  # rollouts sampled ahead (rl.max_staleness), in step order
+        self._generated = 0  # tokens sampled during this call of next_step, all ranks
 
     def total_steps(self) -> int:
         return self._total
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_round(self, step: int, indices: list[int], first_position: int) -> list[Group]:
+    def _sample_round(self, step: int, indices: list[int], first_position: int, version: int) -> list[Group]:
         """Sample and score this rank's share of ``indices`` (round-robin), gather every rank's groups."""
         world, rank = dist.world_size(), dist.rank()
         mine = [(first_position + j, index) for j, index in enumerate(indices) if j % world == rank]
         started = time.perf_counter()
         sampled = self.rollouts([self.prompts[index] for _, index in mine], [position for position, _ in mine],
-                                step_seed(self.config.train.seed, step))
+                                step_seed(self.config.train.seed, step), version)
         self._log["time/generate_s"] = self._log.get("time/generate_s", 0.0) + time.perf_counter() - started
-        started = time.perf_counter()
+        self._log.update(getattr(self.rollouts, "log", {}))  # the engine's figures (rollout/sync_s, …)
         flat_prompts = [self.prompts[index] for (_, index), group in zip(mine, sampled, strict=True) for _ in group]
         flat = [rollout for group in sampled for rollout in group]
+        for rollout in flat:
+            rollout.version = version
+        started = time.perf_counter()
         scored = self.rewards.score(flat_prompts, [rollout.text for rollout in flat])
         self.counters.update({f"reward_failure/{why}": n for why, n in scored.failures.items()})
         self._log["time/reward_s"] = self._log.get("time/reward_s", 0.0) + time.perf_counter() - started
@@ -142,10 +192,18 @@ class GRPOSource:
                 samples.append(Sample(rollout, float(reward), scored.passed[at]))
                 at += 1
             groups.append(Group(position, index, samples))
+        if self.trainer_logprobs is not None:
+            # With the sampling weights: the mismatch, apart from any lag. A group without signal is never
+            # trained when zero advantages are skipped (rl.skip_zero_advantage), so it is not scored either.
+            skip = self.rl.skip_zero_advantage and self.rl.kl_beta == 0
+            started = time.perf_counter()
+            self.trainer_logprobs([s.rollout for g in groups if g.has_signal or not skip for s in g.samples])
+            self._log["time/recompute_s"] = self._log.get("time/recompute_s", 0.0) + time.perf_counter() - started
         gathered = [g for part in dist.gather_objects(groups) for g in part]
+        self._generated += sum(len(s.completion_ids) for g in gathered for s in g.samples)
         return sorted(gathered, key=lambda g: g.position)
 
-    def _draw_groups(self, step: int) -> tuple[list[Group], list[Group]]:
+    def _draw_groups(self, step: int, version: int) -> tuple[list[Group], list[Group]]:
         """The step's groups (exactly ``prompts_per_step``) and every group sampled (for the metrics)."""
         wanted = self.prompts_per_step
         kept: list[Group] = []
@@ -158,7 +216,7 @@ class GRPOSource:
             if need <= 0:
                 break
             indices = self.sampler.draw(step, need if self.rl.dynamic_sampling else wanted)
-            groups = self._sample_round(step, indices, position)
+            groups = self._sample_round(step, indices, position, version)
             position += len(indices)
             drawn += groups
             for group in groups:
@@ -210,16 +268,43 @@ class GRPOSource:
         group_ids = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
         return self.advantage(rewards, group_ids, self.rl.advantage_eps)
 
-    def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:  # noqa: ARG002 - rollouts hold the model
-        self._log = {}
-        kept, drawn = self._draw_groups(step)
+    def _sample_ahead(self, target: int, version: int) -> Queued:
+        """The rollouts of step ``target``, sampled now with the current weights (version ``version``)."""
+        kept, drawn = self._draw_groups(target, version)
         outcomes: dict[int, tuple[int, int]] = {}
         for group in drawn:
             verdicts = [s.passed for s in group.samples if s.passed is not None]
             if verdicts:
                 passed, tried = outcomes.get(group.prompt_index, (0, 0))
                 outcomes[group.prompt_index] = (passed + sum(verdicts), tried + len(verdicts))
-        self._pending = outcomes
+        metrics = {"sampling_rounds": self._log.pop("sampling_rounds"), **self._metrics(drawn, kept)}
+        return Queued(target, version, kept, metrics, outcomes)
+
+    def _rollouts_for(self, step: int) -> Queued:
+        """Step ``step``'s queued rollouts, after sampling those of steps up to ``step + k`` that are missing
+        (one step's, after warm-up) with the current weights: step ``step``'s, version ``step``."""
+        self.queue = [queued for queued in self.queue if queued.step >= step]
+        have = {queued.step for queued in self.queue}
+        for target in range(step, step + self.rl.max_staleness + 1):
+            if target not in have:
+                self.queue.append(self._sample_ahead(target, step))
+        self.queue.sort(key=lambda queued: queued.step)
+        return self.queue.pop(0)
+
+    def _staleness(self, step: int, samples: list[Sample]) -> dict[str, Any]:
+        versions = [s.rollout.version for s in samples]
+        record = {"rollout/version_min": min(versions), "rollout/version_max": max(versions),
+                  "rollout/staleness_max": step - min(versions), "rollout/staleness_min": step - max(versions)}
+        trained = [s.rollout for s in samples if s.rollout.train_logprobs is not None]  # zero-signal groups: not scored
+        if trained:
+            record.update(mismatch_figures([r.train_logprobs for r in trained], [r.logprobs for r in trained]))
+        return record
+
+    def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:  # noqa: ARG002 - rollouts hold the model
+        self._log, self._generated = {}, 0
+        queued = self._rollouts_for(step)
+        kept = queued.groups
+        self._pending = queued.outcomes
         advantages = self._advantages(kept).tolist()
         sequences = [(s, a) for s, a in zip([s for g in kept for s in g.samples], advantages, strict=True)]
         self.last_groups, self.last_sequences = kept, sequences  # the step as trained, for inspection
@@ -239,13 +324,14 @@ class GRPOSource:
         if self.reference is not None:
             for batch in micro_batches:
                 batch["ref_logprobs"] = self.reference(batch)
-        self._log.update(self._metrics(drawn, kept))
+        self._log.update(queued.metrics)
+        self._log.update(self._staleness(step, [s for s, _ in sequences]))
         self._log.update({key: value for key, value in self.counters.items()})
         self._log["sampler_skipped"] = self.sampler.skipped
         total_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
         loss_tokens = sum(len(s.completion_ids) for (s, _), c in zip(sequences, counted, strict=True) if c)
-        if self._log.get("time/generate_s", 0.0) > 0:
-            self._log["generated_tokens_per_s"] = self._log["generated_tokens"] / self._log["time/generate_s"]
+        if self._log.get("time/generate_s", 0.0) > 0:  # what this step sampled (the next steps', with k > 0)
+            self._log["generated_tokens_per_s"] = self._generated / self._log["time/generate_s"]
         self._sampled_at = time.perf_counter()
         return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
                          loss_tokens=loss_tokens, log=self._log,
@@ -301,6 +387,15 @@ class GRPOSource:
         device = dist.device()
         # No attention mask: rows are right-padded, so under causal attention no real token sees a pad.
         keys = ("input_ids", "labels", "old_logprobs", "advantages", *POSITION_KEYS)
+        if self.rl.is_correction != "none":  # the ratio's old policy is the trainer's, the sampler's is reweighed
+            if any(s.rollout.train_logprobs is None and a != 0.0 for s, a in sequences):
+                raise RuntimeError("a completion with an advantage was not scored by the trainer (trainer_logprobs)")
+            rollouts = [sample.rollout for sample, _ in sequences]
+            batch["behaviour_logprobs"] = batch["old_logprobs"]
+            # a completion left unscored (zero signal, advantage 0: no gradient) keeps the sampler's numbers
+            train = [r.logprobs if r.train_logprobs is None else r.train_logprobs for r in rollouts]
+            batch["old_logprobs"] = token_layout(rollouts, train, batch["labels"].shape[1])
+            keys = (*keys, "behaviour_logprobs")
         return {key: batch[key].to(device) for key in keys}
 
     # ------------------------------------------------------------------ state
@@ -309,11 +404,13 @@ class GRPOSource:
         if accepted:
             self.sampler.record(self._pending)
         self._pending = {}
+        self.queue = [queued for queued in self.queue if queued.step > step]
         return {"time/train_s": time.perf_counter() - self._sampled_at}
 
     def state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state(), "counters": dict(self.counters),
-                "prompts_per_step": self.prompts_per_step, "group_size": self.rl.group_size}
+                "prompts_per_step": self.prompts_per_step, "group_size": self.rl.group_size,
+                "queue": [queued.encode() for queued in self.queue]}
 
     def load_state(self, state: dict[str, Any]) -> None:
         for key, mine in (("prompts_per_step", self.prompts_per_step), ("group_size", self.rl.group_size)):
@@ -323,3 +420,5 @@ class GRPOSource:
         self.sampler.load_state(state["sampler"])
         self.counters = Counter(state.get("counters", {}))
         self._pending = {}
+        # Rollouts sampled ahead before the checkpoint (rl.max_staleness); a changed k only moves the lag.
+        self.queue = [Queued.decode(queued) for queued in state.get("queue", [])]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,9 +23,11 @@ from posttrain.data.io import read_records
 from posttrain.data.records import RLPrompt
 from posttrain.generate.engine import SamplingParams
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.rl.engines import RolloutEngine, RolloutFn, rollout_engine
+from posttrain.rl.offpolicy import trainer_logprobs_fn
 from posttrain.rl.prompts import PromptSampler
 from posttrain.rl.rewards import RewardFunction
-from posttrain.rl.rollout import completion_logprobs, full_weights, sample_rollouts
+from posttrain.rl.rollout import completion_logprobs, full_weights
 from posttrain.rl.source import GRPOSource
 from posttrain.store.run_store import working_dir
 from posttrain.train.loop import train
@@ -83,6 +85,8 @@ def grpo_loss(config: GRPORecipe):
             logprobs, batch["old_logprobs"], batch["advantages"], keep,
             policy_loss=rl.policy_loss, clip_low=rl.clip_low, clip_high=rl.clip_high, kl_beta=rl.kl_beta,
             ref_logprobs=batch.get("ref_logprobs"), kl_estimator=rl.kl_estimator,
+            behaviour_logprobs=batch.get("behaviour_logprobs"), is_correction=rl.is_correction, is_cap=rl.is_cap,
+            is_band=rl.is_band, is_level=rl.is_level,
         )
         numerator = aggregation.numerator(per_token, keep, max_new_tokens=rl.max_new_tokens)
         # The loop divides metric sums by the update's normaliser; metric_scale (normaliser / the update's
@@ -95,6 +99,10 @@ def grpo_loss(config: GRPORecipe):
                    "log_ratio": ((logprobs.detach() - batch["old_logprobs"]) * keep).sum() * scale}
         if "kl_sum" in stats:
             metrics["kl"] = stats["kl_sum"] * scale
+        if "is_weight_sum" in stats:  # rl.is_correction: the mean weight and the shares it capped or masked
+            metrics.update({"is_weight": stats["is_weight_sum"] * scale,
+                            "is_truncated_share": stats["is_truncated_tokens"] * scale,
+                            "is_masked_share": stats["is_masked_tokens"] * scale})
         return numerator, metrics
 
     return loss
@@ -170,6 +178,7 @@ class GRPOParts:
     tokenizer: Any
     source: GRPOSource
     eval_prompts: list[RLPrompt]
+    engine: RolloutEngine | None = None  # rollout.engine; run_grpo closes it
 
 
 def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
@@ -189,19 +198,20 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
     params = SamplingParams(n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
                             logprobs=True)
 
-    def rollouts(batch: list[RLPrompt], keys: list[int], seed: int):
-        return sample_rollouts(root, lm, tokenizer, [p.prompt for p in batch], replace(params, seed=seed),
-                               batch_size=rl.rollout_batch_size, prompt_keys=keys)
-
+    # rollout.engine (hf | vllm) is chosen here and nowhere else; the source and the loop see only Rollouts.
+    engine = rollout_engine(config, root, lm, tokenizer)
+    rollouts = RolloutFn(engine, params)
     eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,
                                     config.data.eval) if config.data.eval else [])
     reference = load_reference(config, root) if rl.kl_beta > 0 else None
-    source = GRPOSource(config, prompts, sampler, rollouts, rewards, steps, tokenizer.pad_token_id, reference)
+    source = GRPOSource(config, prompts, sampler, rollouts, rewards, steps, tokenizer.pad_token_id, reference,
+                        trainer_logprobs=trainer_logprobs_fn(config, root, lm, tokenizer.pad_token_id)
+                        if rl.measure_mismatch else None)
     say(f"{len(prompts)} prompts; {steps} steps of {source.prompts_per_step} prompts × {rl.group_size} completions "
         f"({source.geometry.world} rank(s) × {source.geometry.grad_accum} micro-batch(es) of "
         f"{source.geometry.micro_batch}); {rl.advantage} advantages, {rl.policy_loss} loss, {rl.aggregation}, "
         f"β={rl.kl_beta}")
-    return GRPOParts(root, lm, tokenizer, source, eval_prompts)
+    return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine)
 
 
 def run_grpo(config: GRPORecipe) -> int:
@@ -218,7 +228,11 @@ def run_grpo(config: GRPORecipe) -> int:
                 greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=rl.max_new_tokens)
                 settings.evaluate = reward_evaluator(parts.eval_prompts, parts.root, parts.lm, parts.tokenizer, greedy,
                                                      rewards, rl.rollout_batch_size)
-            code = train(parts.root, parts.source, grpo_loss(config), settings)
+            try:
+                code = train(parts.root, parts.source, grpo_loss(config), settings)
+            finally:
+                if parts.engine is not None:  # a vLLM engine posttrain started stops here, before the export
+                    parts.engine.close()
         if code == 0:
             finish("grpo", run, settings, export_final(run, parts.root, parts.lm, parts.tokenizer))
         return code
