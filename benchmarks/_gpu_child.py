@@ -41,7 +41,7 @@ def measure_peak(spec: dict) -> dict:
         times.append(time.perf_counter() - start)
     median = statistics.median(times)
     return {"status": "ok", "device": device, "size": n, "repeats": spec["repeats"], "median_s": median,
-            "tflops": round(2 * n**3 / median / 1e12, 2),
+            "tflops": round(2 * n**3 / median / 1e12, 4),
             "note": None if device == "cuda" else "cpu: no GPU here, not a peak claim"}
 
 
@@ -126,8 +126,10 @@ def posttrain_config(spec: dict) -> dict:
         config["data"] = {"train": spec["data"], "packing": True, "curriculum": "none", "shuffle": False}
     else:
         config["data"] = {"train": spec["data"], "shuffle": False}
+        # A throughput row trains once over just enough synthetic pairs for its steps (a few in --smoke);
+        # dpo.min_pairs guards the quality of real runs, not what a measurement needs.
         config["dpo"] = {"reference_cache_dir": str(Path(spec["out_dir"]) / "ref_cache"),
-                         "reference_batch_size": spec["batch_size"]}
+                         "reference_batch_size": spec["batch_size"], "min_pairs": 1}
     return config
 
 
@@ -222,8 +224,8 @@ def run_posttrain(spec: dict) -> dict | None:
         original_init(self, *a, **k)
         clock.ends = [time.perf_counter()]
 
-    def log(self, record, advance=True):
-        original_log(self, record, advance)
+    def log(self, record, advance=True, **kwargs):
+        original_log(self, record, advance, **kwargs)
         if advance and "step_time_s" in record:
             step_tokens = round(record["tokens_per_s"] * record["step_time_s"])
             reported = att = taken = 0

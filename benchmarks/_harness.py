@@ -363,8 +363,8 @@ def gate_posttrain_loop(gate: StepGate) -> None:
         original_init(self, *args, **kwargs)
         gate.ready()
 
-    def gated_log(self, record, advance=True):
-        original_log(self, record, advance)
+    def gated_log(self, record, advance=True, **kwargs):
+        original_log(self, record, advance, **kwargs)
         if advance:
             gate.step_done()
 

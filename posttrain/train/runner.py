@@ -133,9 +133,11 @@ def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], Non
     not changed after ``config.yaml`` is written.
     """
     check_model_path(config.model.path)  # a mistyped path or an unreachable hub id fails here, before any run state
+    dist.init_distributed()
+    if config.model.liger:  # so do kernels that cannot run here, on every rank, before any data or weight is read
+        check_liger(config.model.path, config.model.trust_remote_code, config.train.recompute_mlp, dist.device())
     if check_data is not None:
         check_data(config)  # and so does data that cannot train
-    dist.init_distributed()
     seed = config.train.seed
     random.seed(seed)
     np.random.seed(seed)
@@ -232,8 +234,6 @@ def build_policy(
     if lora is not None and lora.quantize != "none" and uses_fsdp(train.fsdp):
         raise LoraSetupError("model.lora.quantize=4bit runs in one process: FSDP2 does not shard bitsandbytes' "
                              "4-bit weights; run on one rank with train.fsdp=off, or set model.lora.quantize=none")
-    if config.model.liger:  # refused here, on every rank, before any weight loads
-        check_liger(config.model.path, config.model.trust_remote_code, train.recompute_mlp, dist.device())
     tokenizer = load_tokenizer(config.model.path, config.model.trust_remote_code)
     lm = load_lm(config, tokenizer)
     lm.config.use_cache = False
