@@ -98,13 +98,19 @@ def test_after_a_sync_greedy_outputs_equal_the_trainers(engine):
     assert all(len(ids) == GREEDY.max_new_tokens or ids[-1] in engine.client.eos_ids for ids in served)
 
 
+def _newer(engine) -> int:
+    """A policy version the engine does not serve yet (it syncs before sampling): tests share one engine, in
+    whatever order xdist runs them, so none may assume another synced first."""
+    return 0 if engine.synced is None else engine.synced + 1
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_sampled_logprobs_match_the_trainers_recomputed_ones(engine, temperature):
     from posttrain.rl.rollout import completion_logprobs, rollout_batch
 
     _train_a_little(engine.root, seed=2)
     params = SamplingParams(n=4, temperature=temperature, max_new_tokens=16, seed=3)
-    version = engine.synced + 1  # a newer policy: the engine syncs before it samples
+    version = _newer(engine)  # a newer policy: the engine syncs before it samples
     groups = engine.sample(PROMPTS, params, list(range(len(PROMPTS))), version=version)
     assert "rollout/sync_s" in engine.log and engine.log["rollout/engine_lag"] == 0
     rollouts = [r for group in groups for r in group]
@@ -122,7 +128,7 @@ def test_many_seeded_requests_at_once(engine):
     a seeded prompt and die ("CPU Generator does not use offset"); the server posttrain starts runs unchunked."""
     prompts = [f"{PROMPTS[i % 4]} Say it {i} times, slowly and clearly, one word at a time." for i in range(16)]
     params = SamplingParams(n=8, temperature=1.0, max_new_tokens=4, seed=6)
-    groups = engine.sample(prompts, params, list(range(16)), version=engine.synced)
+    groups = engine.sample(prompts, params, list(range(16)), version=engine.synced if engine.synced is not None else _newer(engine))
     assert [len(g) for g in groups] == [8] * 16 and engine.restarts == 0
 
 
@@ -150,7 +156,7 @@ def test_grpo_with_the_vllm_engine_finishes_and_exports(engine, model32, rl_data
 
 def test_a_killed_engine_is_restarted_and_resynced(engine):
     _train_a_little(engine.root, seed=4)
-    version = engine.synced + 1
+    version = _newer(engine)
     engine.sync(version=version)
     # The kernel's OOM killer would pick the biggest process: the engine's model worker, not the HTTP front.
     workers = psutil.Process(engine.server.process.pid).children(recursive=True)
