@@ -24,7 +24,7 @@ BEHAVIOUR = torch.tensor([[ln(0.8), ln(0.5), ln(0.2), ln(0.2)], [ln(0.5), ln(0.3
 MASK = torch.tensor([[True, True, True, True], [True, True, True, False]])
 
 
-def close(actual, expected, atol=1e-12):
+def assert_close_to(actual, expected, atol=1e-12):
     torch.testing.assert_close(actual, torch.as_tensor(expected, dtype=actual.dtype), rtol=0, atol=atol)
 
 
@@ -38,51 +38,51 @@ def test_the_registry_holds_the_three_corrections():
 
 def test_none_weighs_every_loss_token_one():
     weights, stats = weights_of("none")
-    close(weights, [[1, 1, 1, 1], [1, 1, 1, 0]])
+    assert_close_to(weights, [[1, 1, 1, 1], [1, 1, 1, 0]])
     assert float(stats["is_weight_sum"]) == 7 and float(stats["is_masked_tokens"]) == 0
 
 
 def test_tis_truncates_the_token_ratios_at_the_cap():
     # C = 2: the two 3.0 ratios become 2; the rest keep their ratio (no lower truncation, Yao et al.)
     weights, stats = weights_of("tis", cap=2.0)
-    close(weights, [[0.25, 0.8, 1.5, 2.0], [1.0, 2.0, 0.25, 0.0]])
-    close(stats["is_weight_sum"], 0.25 + 0.8 + 1.5 + 2.0 + 1.0 + 2.0 + 0.25)  # 7.8
+    assert_close_to(weights, [[0.25, 0.8, 1.5, 2.0], [1.0, 2.0, 0.25, 0.0]])
+    assert_close_to(stats["is_weight_sum"], 0.25 + 0.8 + 1.5 + 2.0 + 1.0 + 2.0 + 0.25)  # 7.8
     assert float(stats["is_truncated_tokens"]) == 2 and float(stats["is_masked_tokens"]) == 0
     assert not weights.isnan().any()
 
 
 def test_tis_without_a_cap_is_plain_importance_sampling():
     weights, stats = weights_of("tis", cap=math.inf)
-    close(weights, [[0.25, 0.8, 1.5, 3.0], [1.0, 3.0, 0.25, 0.0]])
+    assert_close_to(weights, [[0.25, 0.8, 1.5, 3.0], [1.0, 3.0, 0.25, 0.0]])
     assert float(stats["is_truncated_tokens"]) == 0
 
 
 def test_tis_at_sequence_level_weighs_each_completion_by_its_product():
-    close(weights_of("tis", cap=2.0, level="sequence")[0], [[0.9] * 4, [0.75] * 3 + [0.0]])
+    assert_close_to(weights_of("tis", cap=2.0, level="sequence")[0], [[0.9] * 4, [0.75] * 3 + [0.0]])
     # C = 1 is still above both products: nothing truncated. Row 0 times 4/3 (product 1.2) would be.
     heavier = TRAIN.clone()
     heavier[0, 0] = ln(0.2 * 4 / 3)
     weights, stats = IS_CORRECTIONS.get("tis")(heavier, BEHAVIOUR, MASK, cap=1.0, level="sequence")
-    close(weights, [[1.0] * 4, [0.75] * 3 + [0.0]])
+    assert_close_to(weights, [[1.0] * 4, [0.75] * 3 + [0.0]])
     assert float(stats["is_truncated_tokens"]) == 4  # all four tokens of row 0
 
 
 def test_mis_masks_exactly_the_tokens_outside_the_band():
     # band [0.5, 2]: 0.25 and 3.0 are outside (four tokens), 0.8, 1.5 and 1.0 keep their ratio as weight
     weights, stats = weights_of("mis", low=0.5, high=2.0)
-    close(weights, [[0.0, 0.8, 1.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    assert_close_to(weights, [[0.0, 0.8, 1.5, 0.0], [1.0, 0.0, 0.0, 0.0]])
     outside = torch.tensor([[True, False, False, True], [False, True, True, False]])
     assert torch.equal(weights == 0, outside | ~MASK)
     assert float(stats["is_masked_tokens"]) == 4 and float(stats["is_truncated_tokens"]) == 0
-    close(stats["is_weight_sum"], 0.8 + 1.5 + 1.0)
+    assert_close_to(stats["is_weight_sum"], 0.8 + 1.5 + 1.0)
     # the band is closed: [1, 1] keeps exactly the token whose ratio is exactly 1 (row 1's first, 0.5 / 0.5)
-    close(weights_of("mis", low=1.0, high=1.0)[0], [[0.0] * 4, [1.0, 0.0, 0.0, 0.0]])
+    assert_close_to(weights_of("mis", low=1.0, high=1.0)[0], [[0.0] * 4, [1.0, 0.0, 0.0, 0.0]])
 
 
 def test_mis_at_sequence_level_masks_whole_completions():
     # band [0.8, 1.25]: row 0's product 0.9 is inside (every token weighs 0.9), row 1's 0.75 is not
     weights, stats = weights_of("mis", low=0.8, high=1.25, level="sequence")
-    close(weights, [[0.9] * 4, [0.0] * 4])
+    assert_close_to(weights, [[0.9] * 4, [0.0] * 4])
     assert float(stats["is_masked_tokens"]) == 3
 
 
@@ -117,10 +117,10 @@ def test_tis_scales_the_policy_term_token_by_token():
     # loss is −w·A: row 0 (A = 1): −0.25, −0.8, −1.5, −2.0; row 1 (A = −2): +2, +4, +0.5, 0 (padding).
     logprobs = torch.nan_to_num(TRAIN, nan=0.0).requires_grad_(True)
     per_token, stats = loss_of(logprobs, is_correction="tis", is_cap=2.0)
-    close(per_token, [[-0.25, -0.8, -1.5, -2.0], [2.0, 4.0, 0.5, 0.0]])
+    assert_close_to(per_token, [[-0.25, -0.8, -1.5, -2.0], [2.0, 4.0, 0.5, 0.0]])
     # and its gradient: ∂ℓ/∂log π = −w·A·r = −w·A at r = 1
     per_token.sum().backward()
-    close(logprobs.grad, [[-0.25, -0.8, -1.5, -2.0], [2.0, 4.0, 0.5, 0.0]])
+    assert_close_to(logprobs.grad, [[-0.25, -0.8, -1.5, -2.0], [2.0, 4.0, 0.5, 0.0]])
     assert float(stats["is_truncated_tokens"]) == 2
 
 
@@ -134,8 +134,8 @@ def test_tis_without_a_cap_equals_no_correction_where_the_clip_does_not_bind():
     (grad_corrected,) = torch.autograd.grad(corrected.sum(), logprobs)
     plain, _ = rl_token_loss(logprobs, BEHAVIOUR, ADVANTAGES, MASK, **wide)  # old = the sampler's, no weights
     (grad_plain,) = torch.autograd.grad(plain.sum(), logprobs)
-    close(corrected, plain.detach(), atol=1e-12)
-    close(grad_corrected, grad_plain, atol=1e-12)
+    assert_close_to(corrected, plain.detach(), atol=1e-12)
+    assert_close_to(grad_corrected, grad_plain, atol=1e-12)
 
 
 def test_without_a_mismatch_every_correction_is_exactly_no_correction():
@@ -154,7 +154,7 @@ def test_the_kl_term_is_not_reweighed():
     logprobs = torch.nan_to_num(TRAIN, nan=0.0)
     per_token, _ = loss_of(logprobs, is_correction="mis", is_band=(0.5, 2.0), kl_beta=0.1,
                            ref_logprobs=logprobs - 0.5, kl_estimator="k1")
-    close(per_token[0], [0.05, -0.8 + 0.05, -1.5 + 0.05, 0.05])
+    assert_close_to(per_token[0], [0.05, -0.8 + 0.05, -1.5 + 0.05, 0.05])
 
 
 def test_a_correction_without_the_samplers_logprobs_is_refused():
