@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import importlib.util
 import json
 import os
@@ -135,7 +136,7 @@ def _die_with_parent() -> None:
 def request_json(url: str, body: dict | None = None, timeout: float = 60.0) -> Any:
     """POST ``body`` (GET without one) and return the decoded JSON (``None`` for an empty reply).
 
-    Raises ``EngineDown`` when the server cannot be reached or answers 5xx (vLLM's "engine dead"), and
+    Raises ``EngineDown`` when the server cannot be reached, cuts its reply short, or answers 5xx (vLLM's "engine dead"), and
     ``ValueError`` with the server's message for a 4xx (a request it refuses: a bug or a bad setting)."""
     data = None if body is None else json.dumps(body).encode()
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -149,6 +150,10 @@ def request_json(url: str, body: dict | None = None, timeout: float = 60.0) -> A
         raise ValueError(f"the engine refused the request ({url}: HTTP {exc.code}): {detail}") from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
         raise EngineDown(f"{url}: {exc}") from None
+    except http.client.HTTPException as exc:
+        # a server that dies while answering leaves a reply cut short (IncompleteRead) or no status line at all:
+        # the engine is down, the same as a refused connection, and the caller restarts it
+        raise EngineDown(f"{url}: the reply was cut short ({type(exc).__name__}: {exc})") from None
     return json.loads(raw) if raw.strip() else None
 
 

@@ -245,3 +245,28 @@ def test_engine_unavailable_is_exit_75():
 
     assert report_failure(EngineUnavailable("the rollout engine died"), debug=False) == 75
     assert report_failure(EngineSetupError("no engine"), debug=False) == 2
+
+
+def test_a_reply_cut_short_is_the_engine_down_not_a_crash():
+    """A server that dies while answering (CI saw it: one thread of the engine sent the headers, another exited the
+    process) leaves ``IncompleteRead``; that must be ``EngineDown`` so the engine restarts, like a refused connection."""
+    import socketserver
+    import threading
+
+    from posttrain.generate.vllm_server import EngineDown, request_json
+
+    class CutShort(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(65536)
+            self.request.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 456\r\n\r\n{\"id\"")
+
+    class NoStatusLine(socketserver.BaseRequestHandler):
+        def handle(self):
+            self.request.recv(65536)
+            self.request.sendall(b"garbage\r\n\r\n")
+
+    for handler, message in ((CutShort, "cut short"), (NoStatusLine, "")):
+        with socketserver.TCPServer(("127.0.0.1", 0), handler) as server:
+            threading.Thread(target=server.handle_request, daemon=True).start()
+            with pytest.raises(EngineDown, match=message):
+                request_json(f"http://127.0.0.1:{server.server_address[1]}/v1/completions", {"prompt": "Hi"}, timeout=10)
