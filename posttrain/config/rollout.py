@@ -29,6 +29,10 @@ class RolloutConfig(StrictModel):
     sync_every: int = Field(
         default=1, ge=1, description="Push the trainer's weights to the engine every N steps (1: every step, "
         "on-policy); in between the engine samples with weights up to N-1 updates old (rollout/engine_lag).")
+    overlap: bool = Field(
+        default=True, description="vllm with rl.max_staleness >= 1: the engine samples step s+k's rollouts while "
+        "step s trains (the same rollouts as without overlap, in less wall time); false: sampled before training. "
+        "The hf engine samples with the weights being trained, so it cannot overlap (setting it is an error).")
     engine_python: str | None = Field(
         default=None, description="Python that runs the vLLM server; default $POSTTRAIN_VLLM_PYTHON, else the "
         "repository's .venv-vllm/bin/python (make vllm-env), else this Python when it can import vllm.")
@@ -70,6 +74,8 @@ class RolloutConfig(StrictModel):
             extra = [key for key in ("server_url", "engine_python", "sync_dir") if getattr(self, key) is not None]
             if self.engine_args:
                 extra.append("engine_args")
+            if "overlap" in self.model_fields_set:
+                extra.append("overlap")
             if extra:
                 raise ValueError(f"rollout.{extra[0]} is for rollout.engine=vllm; the hf engine samples in this "
                                  "process: set rollout.engine=vllm or drop it")

@@ -19,6 +19,16 @@ re-syncs the weights and repeats the call. A second failure — or any failure o
 start — raises ``EngineUnavailable``, which the CLI turns into exit 75: the newest checkpoint is intact and
 rerunning the same command resumes from it (steps after it are sampled again).
 
+**Sampling in the background** (``submit``). ``sample`` is ``submit(...).result()``. The vLLM engine's
+``submit`` syncs (a collective, in the calling thread) and sends the requests from a background thread, so the
+trainer can train while the engine samples (``GRPOSource`` does, with ``rl.max_staleness >= 1``);
+``result()`` waits, and handles an engine failure — restart, re-sync, resample — collectively there, so no
+collective ever runs outside the main thread. The HF engine samples in the trainer's process with its live
+weights: its ``submit`` samples at once (``overlaps = False``).
+
+**Policy versions.** Each rollout's ``version`` is the version of the weights that sampled it: the one asked
+for on the HF engine; the one the engine last synced on vLLM (older than asked when ``rollout.sync_every > 1``).
+
 Figures (``log``, merged into the step's metrics by the step source): ``rollout/sync_s`` (gather, write and
 reload), ``rollout/sync_bytes`` (the file the engine read), ``rollout/sync_gathered_bytes`` (what left the
 shards: the adapters only after the first LoRA sync), ``rollout/engine_lag`` (policy versions between the
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -40,32 +51,68 @@ from posttrain.data.chat import Prompt
 from posttrain.generate.engine import SamplingParams
 from posttrain.rl.rollout import Rollout, sample_rollouts, to_rollouts
 
-__all__ = ["HFRollouts", "RolloutEngine", "RolloutFn", "VLLMRollouts", "rollout_engine"]
+__all__ = ["HFRollouts", "RolloutEngine", "RolloutFn", "Sampled", "VLLMRollouts", "rollout_engine"]
+
+
+class Sampled(Protocol):
+    """Rollouts on their way (``RolloutEngine.submit``)."""
+
+    seconds: float  # how long the sampling itself took, once ``result()`` returned
+
+    def result(self) -> list[list[Rollout]]:
+        """The rollouts, waiting for them if need be. A collective (every rank calls it at the same point)."""
+        ...
 
 
 class RolloutEngine(Protocol):
     log: dict[str, Any]
+    overlaps: bool  # whether submit returns before the sampling is done (training can go on meanwhile)
+
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
+               version: int) -> Sampled:
+        """Start sampling ``params.n`` rollouts per prompt with the policy of ``version`` (the loop step whose
+        starting weights the trainer holds now). A collective: every rank calls it, with its own prompts."""
+        ...
 
     def sample(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
                version: int) -> list[list[Rollout]]:
-        """``params.n`` rollouts per prompt, sampled with the policy of ``version`` (the loop step whose
-        starting weights the trainer holds now). A collective: every rank calls it, with its own prompts."""
+        """``submit(...).result()``."""
         ...
 
     def close(self) -> None: ...
 
 
+class Ready:
+    """``Sampled`` for rollouts sampled already (``seconds``: how long that took)."""
+
+    def __init__(self, rollouts: list[list[Rollout]], seconds: float):
+        self.rollouts, self.seconds = rollouts, seconds
+
+    def result(self) -> list[list[Rollout]]:
+        return self.rollouts
+
+
 class HFRollouts:
-    """``rollout.engine: hf``: the trainer's own sampler on its live weights."""
+    """``rollout.engine: hf``: the trainer's own sampler on its live weights (so it cannot sample while they train)."""
+
+    overlaps = False
 
     def __init__(self, root: torch.nn.Module, lm: torch.nn.Module, tokenizer: Any, batch_size: int):
         self.root, self.lm, self.tokenizer, self.batch_size = root, lm, tokenizer, batch_size
         self.log: dict[str, Any] = {}
 
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
+               version: int) -> Ready:
+        started = time.perf_counter()
+        groups = sample_rollouts(self.root, self.lm, self.tokenizer, list(prompts), params,
+                                 batch_size=self.batch_size, prompt_keys=prompt_keys)
+        for rollout in (r for group in groups for r in group):
+            rollout.version = version  # the live weights are the version's
+        return Ready(groups, time.perf_counter() - started)
+
     def sample(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
-               version: int) -> list[list[Rollout]]:  # noqa: ARG002 - the live weights are the version's
-        return sample_rollouts(self.root, self.lm, self.tokenizer, list(prompts), params, batch_size=self.batch_size,
-                               prompt_keys=prompt_keys)
+               version: int) -> list[list[Rollout]]:
+        return self.submit(prompts, params, prompt_keys, version).result()
 
     def close(self) -> None:
         pass
@@ -77,9 +124,27 @@ def _any_rank(flag: bool) -> bool:
     return bool(dist.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0)
 
 
+class _Requests:
+    """``Sampled`` for requests a background thread is sending to the vLLM engine (``VLLMRollouts.submit``)."""
+
+    def __init__(self, engine: VLLMRollouts, prompts: list[Prompt], params: SamplingParams, keys: Sequence[int],
+                 version: int, future: Future | None, failure: str | None):
+        self.engine, self.prompts, self.params, self.keys, self.version = engine, prompts, params, keys, version
+        self.future, self.failure = future, failure
+        self.seconds = 0.0
+        self._rollouts: list[list[Rollout]] | None = None
+
+    def result(self) -> list[list[Rollout]]:
+        if self._rollouts is None:
+            self._rollouts = self.engine._finish(self)
+        return self._rollouts
+
+
 class VLLMRollouts:
     """``rollout.engine: vllm`` (see the module docstring). ``server`` is the ``VLLMServer`` posttrain started
     (rank 0 only; ``None`` when connecting to ``url``), ``sync_base`` the directory weight files go under."""
+
+    overlaps = True
 
     def __init__(self, root: torch.nn.Module, lm: torch.nn.Module, tokenizer: Any, *, url: str, server=None,
                  sync_every: int = 1, sync_base: str | Path, dtype: str = "float32", timeout_s: float = 600.0,
@@ -95,6 +160,7 @@ class VLLMRollouts:
         self.synced: int | None = None  # the policy version the engine serves (None: not synced yet)
         self.restarts = 0
         self.log: dict[str, Any] = {}
+        self._sender = ThreadPoolExecutor(max_workers=1, thread_name_prefix="posttrain-rollouts")
 
     # ------------------------------------------------------------------ sync
 
@@ -132,8 +198,9 @@ class VLLMRollouts:
 
     # ------------------------------------------------------------------ sampling
 
-    def sample(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
-               version: int) -> list[list[Rollout]]:
+    def submit(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
+               version: int) -> _Requests:
+        """Sync when due (a collective, here), then send the requests from the background thread."""
         from posttrain.generate.vllm_server import EngineDown
 
         if params.greedy:
@@ -141,21 +208,55 @@ class VLLMRollouts:
                              "for the policy ratio")
         params = SamplingParams(**{**params.__dict__, "logprobs": True})
         self.log = {}
-        while True:
-            failure: str | None = None
-            completions: list = []
+        prompts, failure, future = list(prompts), None, None
+        try:
+            if self._due(version):
+                self.sync(version)
+        except EngineDown as exc:
+            failure = str(exc)
+        if failure is None and prompts:
+            future = self._sender.submit(self._generate, prompts, params, prompt_keys)
+        return _Requests(self, prompts, params, prompt_keys, version, future, failure)
+
+    def sample(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
+               version: int) -> list[list[Rollout]]:
+        return self.submit(prompts, params, prompt_keys, version).result()
+
+    def _generate(self, prompts: list[Prompt], params: SamplingParams, keys: Sequence[int]) -> tuple[list, float]:
+        """The requests themselves, and how long they took; no collective (it may run in the background)."""
+        started = time.perf_counter()
+        completions = self.client.generate(prompts, params, seed_keys=keys)
+        return completions, time.perf_counter() - started
+
+    def _finish(self, requests: _Requests) -> list[list[Rollout]]:
+        """Wait for ``requests``; on an engine failure on any rank, restart it (collectively), re-sync, resample."""
+        from posttrain.generate.vllm_server import EngineDown
+
+        failure, completions, seconds = requests.failure, [], 0.0
+        if failure is None and requests.future is not None:
             try:
-                if self._due(version):
-                    self.sync(version)
-                completions = self.client.generate(list(prompts), params, seed_keys=prompt_keys) if prompts else []
+                completions, seconds = requests.future.result()
             except EngineDown as exc:
                 failure = str(exc)
-            if not _any_rank(failure is not None):
-                break
+        while _any_rank(failure is not None):
             self._restart(failure or "the engine failed on another rank")
-        self.log["rollout/engine_lag"] = version - (self.synced if self.synced is not None else version)
+            failure, completions = None, []
+            try:
+                if self._due(requests.version):
+                    self.sync(requests.version)
+                if requests.prompts:
+                    completions, seconds = self._generate(requests.prompts, requests.params, requests.keys)
+            except EngineDown as exc:
+                failure = str(exc)
+        served = self.synced if self.synced is not None else requests.version
+        self.log["rollout/engine_lag"] = requests.version - served
         self.log["rollout/engine_restarts"] = self.restarts
-        return to_rollouts(self.tokenizer, list(prompts), completions, params.temperature, prompt_keys)
+        requests.seconds = seconds
+        groups = to_rollouts(self.tokenizer, requests.prompts, completions, requests.params.temperature,
+                             requests.keys)
+        for rollout in (r for group in groups for r in group):
+            rollout.version = served
+        return groups
 
     def _restart(self, why: str) -> None:
         """Restart the engine posttrain started (once per run; every rank calls this), else ``EngineUnavailable``."""
@@ -186,6 +287,7 @@ class VLLMRollouts:
         self.synced = None  # a fresh engine holds the weights of model.path
 
     def close(self) -> None:
+        self._sender.shutdown(wait=False, cancel_futures=True)
         if self.server is not None:
             self.server.stop()
         if self.writer is not None:
@@ -200,8 +302,15 @@ class RolloutFn:
         self.engine, self.params = engine, params
 
     def __call__(self, prompts: Sequence[Any], keys: Sequence[int], seed: int, version: int = 0) -> list[list[Rollout]]:
+        return self.submit(prompts, keys, seed, version).result()
+
+    def submit(self, prompts: Sequence[Any], keys: Sequence[int], seed: int, version: int = 0) -> Sampled:
         params = SamplingParams(**{**self.params.__dict__, "seed": seed})
-        return self.engine.sample([p.prompt for p in prompts], params, keys, version)
+        return self.engine.submit([p.prompt for p in prompts], params, keys, version)
+
+    @property
+    def overlaps(self) -> bool:
+        return self.engine.overlaps
 
     @property
     def log(self) -> dict[str, Any]:

@@ -28,6 +28,15 @@ trains on them; the first ``k`` steps train on rollouts of version 0 (warm-up). 
 synchronous loop, the same code path. The queue is part of ``state()`` (the next ``k`` steps' rollouts,
 encoded compactly), so a resumed run trains on exactly the rollouts the uninterrupted run would have. A
 step the loop skips drops its queued rollouts; the steps after it are then sampled one version later.
+
+Overlap (``rollout.overlap``, an engine in its own process — vLLM — and ``k >= 1``): step ``t``'s source
+syncs the engine to version ``t`` and *submits* the first sampling round of step ``t + k`` before returning,
+so the engine samples while step ``t`` trains; the loop's ``before_update`` hook (after the first backward,
+before the optimizer step: the weights are still version ``t``) collects them and does the rest — further
+dynamic-sampling rounds, rewards, the trainer's log-probs, the gather. Same draws, seeds and weights as
+without overlap, in the same order, so the same rollouts: only the wall time changes. A step that never
+reaches its update (an exception) leaves them uncollected: ``end_step`` drops them and the next step samples
+that step again, synchronously, with its own weights.
 """
 
 from __future__ import annotations
@@ -35,7 +44,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -45,6 +54,7 @@ from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, mismatch_figures, 
 from posttrain.data.records import RLPrompt
 from posttrain.rl.offpolicy import decode_rollout, encode_rollout, token_layout
 from posttrain.rl.prompts import PromptSampler
+from posttrain.rl.engines import Ready
 from posttrain.rl.rollout import Rollout, rollout_batch
 from posttrain.train.source import BatchGeometry, StepBatch
 
@@ -87,6 +97,22 @@ class Group:
     @property
     def has_signal(self) -> bool:
         return max(self.rewards) > min(self.rewards)
+
+
+@dataclass
+class Draw:
+    """One step's groups being drawn with the weights of ``version``: rounds of dynamic sampling so far, and
+    the round in flight (``pending``: this rank's ``(position, prompt index)`` share, what the engine returned
+    or will return, and the round's size)."""
+
+    step: int
+    version: int
+    kept: list[Group] = field(default_factory=list)
+    spare: list[Group] = field(default_factory=list)
+    drawn: list[Group] = field(default_factory=list)
+    position: int = 0
+    rounds: int = 0
+    pending: tuple[list[tuple[int, int]], Any, int] | None = None
 
 
 @dataclass
@@ -159,32 +185,52 @@ class GRPOSource:
             raise ValueError(f"rl.is_correction={self.rl.is_correction} needs the trainer's log-probs of each rollout: "
                              "pass trainer_logprobs (posttrain.rl.offpolicy.trainer_logprobs_fn)")
         self.queue: list[Queued] = []  # rollouts sampled ahead (rl.max_staleness), in step order
-        self._generated = 0  # tokens sampled during this call of next_step, all ranks
+        self._generated = 0  # tokens sampled for the current step's log, all ranks
+        # sample the step k ahead while this one trains: an engine of its own (vLLM) and k >= 1
+        self.overlap = (self.rl.max_staleness > 0 and getattr(rollouts, "overlaps", False)
+                        and getattr(getattr(config, "rollout", None), "overlap", True))
+        self._ahead: Draw | None = None  # the draw in flight (overlap), finished by before_update
 
     def total_steps(self) -> int:
         return self._total
 
     # ------------------------------------------------------------------ sampling
 
-    def _sample_round(self, step: int, indices: list[int], first_position: int, version: int) -> list[Group]:
-        """Sample and score this rank's share of ``indices`` (round-robin), gather every rank's groups."""
+    def _start_round(self, draw: Draw, indices: list[int]) -> None:
+        """Submit this rank's share of ``indices`` (round-robin) to the engine; ``_finish_round`` takes it up."""
         world, rank = dist.world_size(), dist.rank()
-        mine = [(first_position + j, index) for j, index in enumerate(indices) if j % world == rank]
-        started = time.perf_counter()
-        sampled = self.rollouts([self.prompts[index] for _, index in mine], [position for position, _ in mine],
-                                step_seed(self.config.train.seed, step), version)
-        self._log["time/generate_s"] = self._log.get("time/generate_s", 0.0) + time.perf_counter() - started
+        mine = [(draw.position + j, index) for j, index in enumerate(indices) if j % world == rank]
+        prompts, keys = [self.prompts[index] for _, index in mine], [position for position, _ in mine]
+        seed = step_seed(self.config.train.seed, draw.step)
+        submit = getattr(self.rollouts, "submit", None)
+        if submit is not None:
+            sampled = submit(prompts, keys, seed, draw.version)
+        else:  # a plain function (tests, custom samplers): samples now, with the live weights
+            started = time.perf_counter()
+            groups = self.rollouts(prompts, keys, seed, draw.version)
+            for rollout in (r for group in groups for r in group):
+                rollout.version = draw.version
+            sampled = Ready(groups, time.perf_counter() - started)
+        draw.pending = (mine, sampled, len(indices))
+
+    def _finish_round(self, draw: Draw) -> list[Group]:
+        """Wait for the round in flight, score it, recompute the trainer's log-probs, gather every rank's groups."""
+        mine, sampled, size = draw.pending
+        draw.pending = None
+        waited = time.perf_counter()
+        groups_sampled = sampled.result()
+        self._add("time/rollout_wait_s", time.perf_counter() - waited)
+        self._add("time/generate_s", sampled.seconds)
         self._log.update(getattr(self.rollouts, "log", {}))  # the engine's figures (rollout/sync_s, …)
-        flat_prompts = [self.prompts[index] for (_, index), group in zip(mine, sampled, strict=True) for _ in group]
-        flat = [rollout for group in sampled for rollout in group]
-        for rollout in flat:
-            rollout.version = version
+        flat_prompts = [self.prompts[index] for (_, index), group in zip(mine, groups_sampled, strict=True)
+                        for _ in group]
+        flat = [rollout for group in groups_sampled for rollout in group]
         started = time.perf_counter()
         scored = self.rewards.score(flat_prompts, [rollout.text for rollout in flat])
         self.counters.update({f"reward_failure/{why}": n for why, n in scored.failures.items()})
-        self._log["time/reward_s"] = self._log.get("time/reward_s", 0.0) + time.perf_counter() - started
+        self._add("time/reward_s", time.perf_counter() - started)
         groups, at = [], 0
-        for (position, index), group in zip(mine, sampled, strict=True):
+        for (position, index), group in zip(mine, groups_sampled, strict=True):
             samples = []
             for rollout in group:
                 reward = scored.rewards[at] - overlong_penalty(len(rollout.completion_ids), self.rl.max_new_tokens,
@@ -198,38 +244,52 @@ class GRPOSource:
             skip = self.rl.skip_zero_advantage and self.rl.kl_beta == 0
             started = time.perf_counter()
             self.trainer_logprobs([s.rollout for g in groups if g.has_signal or not skip for s in g.samples])
-            self._log["time/recompute_s"] = self._log.get("time/recompute_s", 0.0) + time.perf_counter() - started
+            self._add("time/recompute_s", time.perf_counter() - started)
         gathered = [g for part in dist.gather_objects(groups) for g in part]
         self._generated += sum(len(s.completion_ids) for g in gathered for s in g.samples)
+        draw.position += size
         return sorted(gathered, key=lambda g: g.position)
 
-    def _draw_groups(self, step: int, version: int) -> tuple[list[Group], list[Group]]:
-        """The step's groups (exactly ``prompts_per_step``) and every group sampled (for the metrics)."""
+    def _add(self, key: str, seconds: float) -> None:
+        self._log[key] = self._log.get(key, 0.0) + seconds
+
+    def _start_next_round(self, draw: Draw) -> None:
+        need = self.prompts_per_step - len(draw.kept)
+        self._start_round(draw, self.sampler.draw(draw.step, need))
+
+    def _begin_draw(self, step: int, version: int) -> Draw:
+        """Draw step ``step``'s first prompts and submit them (``_complete_draw`` does the rest)."""
+        draw = Draw(step, version)
+        self._start_next_round(draw)
+        return draw
+
+    def _complete_draw(self, draw: Draw) -> Queued:
+        """Finish ``draw``: its rounds (more while dynamic sampling keeps fewer groups than a step needs, at
+        most ``rl.max_sampling_rounds``), exactly ``prompts_per_step`` groups, and what the draw measured."""
         wanted = self.prompts_per_step
-        kept: list[Group] = []
-        spare: list[Group] = []
-        drawn: list[Group] = []
         rounds = self.rl.max_sampling_rounds if self.rl.dynamic_sampling else 1
-        position = 0
-        for round_ in range(rounds):
-            need = wanted - len(kept)
-            if need <= 0:
-                break
-            indices = self.sampler.draw(step, need if self.rl.dynamic_sampling else wanted)
-            groups = self._sample_round(step, indices, position, version)
-            position += len(indices)
-            drawn += groups
+        while draw.pending is not None:
+            groups = self._finish_round(draw)
+            draw.rounds += 1
+            draw.drawn += groups
             for group in groups:
-                if not self.rl.dynamic_sampling or group.has_signal:
-                    kept.append(group)
-                else:
-                    spare.append(group)
-            self._log["sampling_rounds"] = round_ + 1
+                (draw.kept if not self.rl.dynamic_sampling or group.has_signal else draw.spare).append(group)
+            if draw.rounds < rounds and len(draw.kept) < wanted:
+                self._start_next_round(draw)
+        kept = draw.kept
         if len(kept) < wanted:
             short = wanted - len(kept)
             self.counters["dynamic_sampling_short"] += short
-            kept += spare[:short]
-        return kept[:wanted], drawn
+            kept = kept + draw.spare[:short]
+        kept = kept[:wanted]
+        outcomes: dict[int, tuple[int, int]] = {}
+        for group in draw.drawn:
+            verdicts = [s.passed for s in group.samples if s.passed is not None]
+            if verdicts:
+                passed, tried = outcomes.get(group.prompt_index, (0, 0))
+                outcomes[group.prompt_index] = (passed + sum(verdicts), tried + len(verdicts))
+        metrics = {"sampling_rounds": draw.rounds, **self._metrics(draw.drawn, kept)}
+        return Queued(draw.step, draw.version, kept, metrics, outcomes)
 
     # ------------------------------------------------------------------ the batch
 
@@ -268,28 +328,37 @@ class GRPOSource:
         group_ids = torch.tensor([i for i, g in enumerate(kept) for _ in g.samples], dtype=torch.long)
         return self.advantage(rewards, group_ids, self.rl.advantage_eps)
 
-    def _sample_ahead(self, target: int, version: int) -> Queued:
-        """The rollouts of step ``target``, sampled now with the current weights (version ``version``)."""
-        kept, drawn = self._draw_groups(target, version)
-        outcomes: dict[int, tuple[int, int]] = {}
-        for group in drawn:
-            verdicts = [s.passed for s in group.samples if s.passed is not None]
-            if verdicts:
-                passed, tried = outcomes.get(group.prompt_index, (0, 0))
-                outcomes[group.prompt_index] = (passed + sum(verdicts), tried + len(verdicts))
-        metrics = {"sampling_rounds": self._log.pop("sampling_rounds"), **self._metrics(drawn, kept)}
-        return Queued(target, version, kept, metrics, outcomes)
-
     def _rollouts_for(self, step: int) -> Queued:
         """Step ``step``'s queued rollouts, after sampling those of steps up to ``step + k`` that are missing
-        (one step's, after warm-up) with the current weights: step ``step``'s, version ``step``."""
+        (one step's, after warm-up) with the current weights: step ``step``'s, version ``step``. With overlap,
+        step ``step + k``'s draw is only started (``self._ahead``; ``collect_ahead`` finishes it)."""
         self.queue = [queued for queued in self.queue if queued.step >= step]
         have = {queued.step for queued in self.queue}
-        for target in range(step, step + self.rl.max_staleness + 1):
-            if target not in have:
-                self.queue.append(self._sample_ahead(target, step))
+        last = min(step + self.rl.max_staleness, self._total - 1)  # nothing is sampled for steps the run never has
+        for target in range(step, last + 1):
+            if target in have:
+                continue
+            draw = self._begin_draw(target, step)
+            if self.overlap and target == last:
+                self._ahead = draw
+            else:
+                self.queue.append(self._complete_draw(draw))
         self.queue.sort(key=lambda queued: queued.step)
         return self.queue.pop(0)
+
+    def collect_ahead(self) -> None:
+        """Finish the draw sampled in the background while the step trained (``StepBatch.before_update``: every
+        rank, before the first optimizer step, while the weights are still the draw's version)."""
+        draw, self._ahead = self._ahead, None
+        if draw is None:
+            return
+        self.queue.append(self._complete_draw(draw))
+        self.queue.sort(key=lambda queued: queued.step)
+        self._throughput()
+
+    def _throughput(self) -> None:
+        if self._log.get("time/generate_s", 0.0) > 0:  # what this step sampled (the next steps', with k > 0)
+            self._log["generated_tokens_per_s"] = self._generated / self._log["time/generate_s"]
 
     def _staleness(self, step: int, samples: list[Sample]) -> dict[str, Any]:
         versions = [s.rollout.version for s in samples]
@@ -302,6 +371,7 @@ class GRPOSource:
 
     def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:  # noqa: ARG002 - rollouts hold the model
         self._log, self._generated = {}, 0
+        self._drop_ahead()
         queued = self._rollouts_for(step)
         kept = queued.groups
         self._pending = queued.outcomes
@@ -330,12 +400,12 @@ class GRPOSource:
         self._log["sampler_skipped"] = self.sampler.skipped
         total_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
         loss_tokens = sum(len(s.completion_ids) for (s, _), c in zip(sequences, counted, strict=True) if c)
-        if self._log.get("time/generate_s", 0.0) > 0:  # what this step sampled (the next steps', with k > 0)
-            self._log["generated_tokens_per_s"] = self._generated / self._log["time/generate_s"]
+        self._throughput()
         self._sampled_at = time.perf_counter()
         return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
                          loss_tokens=loss_tokens, log=self._log,
-                         unit_ids=[self.prompts[g.prompt_index].id for g in kept])
+                         unit_ids=[self.prompts[g.prompt_index].id for g in kept],
+                         before_update=self.collect_ahead if self._ahead is not None else None)
 
     def _micro_batches(self, sequences: list[tuple[Sample, float]], counted: list[bool], normalizers: list[float],
                        per_update: int) -> list[dict[str, Any]]:
@@ -401,11 +471,20 @@ class GRPOSource:
     # ------------------------------------------------------------------ state
 
     def end_step(self, step: int, accepted: bool, metric_sums: dict[str, float]) -> dict[str, Any]:  # noqa: ARG002
+        self._drop_ahead()
         if accepted:
             self.sampler.record(self._pending)
         self._pending = {}
         self.queue = [queued for queued in self.queue if queued.step > step]
         return {"time/train_s": time.perf_counter() - self._sampled_at}
+
+    def _drop_ahead(self) -> None:
+        """A draw left in flight (its step never reached its update): wait for the engine and drop it; the step
+        it was for is sampled again when due, with that step's weights."""
+        if self._ahead is not None and self._ahead.pending is not None:
+            self._ahead.pending[1].result()
+            self.counters["rollout/overlap_dropped"] += 1
+        self._ahead = None
 
     def state(self) -> dict[str, Any]:
         return {"sampler": self.sampler.state(), "counters": dict(self.counters),

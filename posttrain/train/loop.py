@@ -4,6 +4,7 @@ One optimizer step, top to bottom:
 1. ask the source for the step's work (``source.next_step(step, model)``; see ``posttrain.train.source``):
    this rank's micro-batches and the step's *global* normaliser;
 2. for each micro-batch: forward, loss ÷ the global normaliser, backward (metrics stay on the device);
+   then, once per step, the source's ``before_update`` hook (the weights are still the step's starting ones);
 3. clip the gradient norm, read loss, grad norm and metrics to the host in one copy (the update's only
    host sync: the health guard needs them), ask the guard, step the optimizer (or skip the update);
 4. tell the source how the step went (``end_step``), log, evaluate and checkpoint when due (to local
@@ -134,8 +135,9 @@ class UpdateResult:
 
 
 def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any], normalizer: float, step: int,
-            settings: LoopSettings) -> UpdateResult:
-    """Forward/backward over one update's micro-batches, health check, optimizer step (or skip)."""
+            settings: LoopSettings, before_step: Callable[[], None] | None = None) -> UpdateResult:
+    """Forward/backward over one update's micro-batches, ``before_step`` (the source's, see ``StepBatch``),
+    health check, optimizer step (or skip)."""
     world = dist.world_size()
     device = dist.device()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
@@ -157,6 +159,8 @@ def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any],
         for key, value in metrics.items():
             value = torch.as_tensor(value, dtype=torch.float64, device=device).detach()
             metric_totals[key] = metric_totals[key] + value if key in metric_totals else value
+    if before_step is not None:
+        before_step()
     grad_norm = _grad_norm(params, settings.max_grad_norm)
     packed = dist.all_reduce_sum(torch.stack([loss_total, *metric_totals.values()]))
     # The update's one host sync, whatever the number of micro-batches: the health guard decides on the
@@ -387,8 +391,9 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                 batch = source.next_step(step, model)
                 data_wait = time.perf_counter() - waited
                 groups = batch.groups()
-                updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings)
-                           for micro, norm in groups]
+                updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings,
+                                   batch.before_update if index == 0 else None)
+                           for index, (micro, norm) in enumerate(groups)]
                 accepted = any(u.ok for u in updates)
                 run.optimizer_steps += sum(u.ok for u in updates)
                 totals: dict[str, float] = {}

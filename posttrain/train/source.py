@@ -85,9 +85,15 @@ class StepBatch:
     - ``normalizer``: what the summed loss of one update is divided by, over **all ranks** (loss tokens
       for SFT, pairs for DPO), so accumulation and rank count do not change the gradient. One value for
       every update, or one per update.
-    - ``tokens`` / ``loss_tokens``: the step's totals over all ranks, for throughput and MFU.
+    - ``tokens`` / ``loss_tokens``: the step's totals over all ranks, for throughput and MFU. ``tokens`` (real,
+      not padding) also divides an MoE policy's router losses (``posttrain.train.router``), so it must count
+      what the policy's forwards see.
     - ``log``: extra per-step log fields (tiers drawn, rollout statistics…).
     - ``unit_ids``: ids of this rank's units, written per step when ``debug.log_unit_ids`` is on.
+    - ``before_update``: called once per step by every rank, after the first update's backward and before its
+      optimizer step — the last moment the step's starting weights are live. GRPO's step source finishes
+      there the rollouts it sampled in the background meanwhile (``rl.max_staleness``), which still need those
+      weights (the trainer's log-probs); ``log`` may still gain fields then.
     """
 
     micro_batches: list[Any]
@@ -97,6 +103,7 @@ class StepBatch:
     loss_tokens: int = 0
     log: dict[str, Any] = field(default_factory=dict)
     unit_ids: list[str] = field(default_factory=list)
+    before_update: Callable[[], None] | None = None
 
     def groups(self) -> list[tuple[list[Any], float]]:
         """``(micro-batches, normaliser)`` per optimizer update."""

@@ -8,7 +8,9 @@ environment:
 - ``FAKE_VLLM_STARTS``: a file; each start appends a line, so a test can count starts;
 - ``FAKE_VLLM_DIE_AFTER``: ``N`` or ``N,M,…`` — the k-th start exits (code 9) while answering its
   ``N_k``-th completion request (``-1``: never); ``FAKE_VLLM_FAIL_START``: the same list, 1 = exit at once;
-- ``FAKE_VLLM_RELOADS``: a file; each ``reload_weights`` appends the size of the safetensors it found.
+- ``FAKE_VLLM_RELOADS``: a file; each ``reload_weights`` appends the size of the safetensors it found;
+- ``FAKE_VLLM_DELAY_S``: each completion request takes this long (an engine busy sampling);
+- ``FAKE_VLLM_TIMES``: a file; each completion request appends ``start end`` (``time.time()``) when it is answered.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import random
 import struct
 import sys
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -82,7 +85,13 @@ class Handler(BaseHTTPRequestHandler):
             if count == DIE_AFTER:
                 print("fake vllm: dying as asked", flush=True)
                 os._exit(9)
-            self._reply(200, self._complete(body))
+            started = time.time()
+            time.sleep(float(os.environ.get("FAKE_VLLM_DELAY_S", "0")))
+            reply = self._complete(body)
+            if os.environ.get("FAKE_VLLM_TIMES"):
+                with LOCK, open(os.environ["FAKE_VLLM_TIMES"], "a") as handle:
+                    handle.write(f"{started} {time.time()}\n")
+            self._reply(200, reply)
         elif self.path == "/collective_rpc":
             size = _safetensors_size(body["kwargs"]["weights_path"])
             if os.environ.get("FAKE_VLLM_RELOADS"):

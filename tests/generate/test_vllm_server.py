@@ -65,6 +65,7 @@ def _gone(pid: int) -> bool:
     ({"rollout.engine": "vllm", "model.lora": '{"quantize": "4bit"}'}, "cannot be merged"),
     ({"rollout.engin": "vllm"}, "rollout.engine"),
     ({"rollout.sync_every": 0}, "sync_every"),
+    ({"rollout.overlap": "false"}, "rollout.overlap is for rollout.engine=vllm"),
 ])
 def test_rollout_config_fails_loudly(extra, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
