@@ -24,15 +24,20 @@ exit codes: 0 the plan was printed (without --check, whether or not the run fits
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser(
         "plan", help="Plan a run on paper: memory per GPU, FSDP traffic, step time, checkpoint interval, goodput.",
-        description="Estimate a ZeRO-3/FSDP2 run's memory per GPU, communication, step time, Young/Daly checkpoint\n"
+        description="Estimate a ZeRO-3/FSDP2 run's memory per GPU (MoE: total vs active parameters, experts under\n"
+                    "expert parallelism x FSDP), communication (FSDP; MoE all-to-all), step time, Young/Daly checkpoint\n"
                     "interval, goodput and cost for a spot/on-demand mix, and say whether it fits the GPUs: the last\n"
                     "line is the verdict, with the smallest GPU count that fits and the --ac / --offload settings that\n"
                     "would make it fit. Formulas, GPU presets and validation: docs/plan.md.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", required=True,
-                        help="preset (llama3-8b, llama3-70b, llama3-405b, dense-1t) or an HF config.json path")
+                        help="preset (llama3-8b, llama3-70b, llama3-405b, dense-1t; MoE: deepseek-v3, kimi-k2) or an "
+                             "HF config.json path (Llama-style, qwen3_moe, deepseek_v3)")
     parser.add_argument("--gpus", type=int, required=True, help="GPUs sharding the model (FSDP world size)")
     parser.add_argument("--gpus-per-node", type=int, default=8)
+    parser.add_argument("--expert-parallel", type=int, default=1, metavar="EP",
+                        help="MoE: ranks each layer's routed experts are split over (parallel.expert); FSDP shards "
+                             "each rank's experts over the other GPUS/EP ranks. Must divide --gpus and the experts")
     parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
                         help="dpo: chosen+rejected double the batch, reference log-probs precomputed; grpo: adds "
                              "the rollout KV cache")
@@ -92,7 +97,8 @@ def _check(args: argparse.Namespace) -> None:
     from posttrain.config.loader import ConfigError
 
     problems = []
-    for name in ("gpus", "gpus_per_node", "seq", "micro_batch", "prompt_len", "completion_len", "rollout_batch"):
+    for name in ("gpus", "gpus_per_node", "expert_parallel", "seq", "micro_batch", "prompt_len", "completion_len",
+                 "rollout_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
     if not 0 < args.mfu <= 1:
@@ -161,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
     from posttrain.config.loader import ConfigError
     from posttrain.plan.fit import fit_verdict
     from posttrain.plan.hardware import resolve_gpu
-    from posttrain.plan.report import PlanInputs, build_plan, format_plan
+    from posttrain.plan.report import PlanInputs, build_plan, expert_parallel_problems, format_plan
     from posttrain.plan.shapes import load_shape
 
     _check(args)
@@ -170,12 +176,16 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError([f"--rollout-batch applies to --recipe grpo only; {args.recipe} generates nothing"])
     gpu = resolve_gpu(args.gpu, args.gpu_memory, args.peak_tflops, args.hbm_tbps)
     shape = load_shape(args.model)
+    problems = expert_parallel_problems(shape, args.gpus, args.expert_parallel)
+    if problems:
+        raise ConfigError(problems)
     inputs = PlanInputs(
         gpus=args.gpus, gpus_per_node=args.gpus_per_node, recipe=args.recipe, offload=args.offload, ac=args.ac,
         seq=seq, micro_batch=args.micro_batch, precision=args.precision, flash=args.flash,
         layers=args.layers, padded=args.padded, reference=args.reference,
         loss_chunk=args.loss_chunk or None, prompt_len=prompt_len, completion_len=completion_len,
         rollout_batch=8 if args.rollout_batch is None else args.rollout_batch, mfu=args.mfu,
+        expert_parallel=args.expert_parallel,
         gpu=gpu.name, gpu_memory_gib=gpu.memory_gib, peak_tflops=gpu.peak_tflops, hbm_tbps=gpu.hbm_tbps,
         gpu_overridden=gpu.overridden,
         bandwidth_gbps=args.bandwidth_gbps, store_gbps=args.store_gbps, node_mtbf_hours=args.mtbf_hours,

@@ -7,7 +7,9 @@ from planning the run again with one thing changed, so a suggestion cannot disag
   ``gpus_per_node`` on one node, then whole nodes (multiples of ``gpus_per_node``), up to ``MAX_GPUS``. For
   N ≥ 2 the peak never grows with N (sharded states and a live reference fall as 1/N; the gathered unit,
   activations, logits and KV cache do not depend on N), so a binary search finds the smallest; N = 1 is tried
-  on its own because nothing is gathered there.
+  on its own because nothing is gathered there. With expert parallelism only multiples of EP are counts, and
+  the smallest, N = EP, is tried on its own: there each rank's experts are whole and not gathered, from 2·EP on
+  they are (a constant), so past it the peak again only falls.
 * **Remedies** are the other settings that lower memory and that posttrain can train with: full activation
   checkpointing (``--ac full``, ``train.activation_checkpointing=full``) and offloading (``--offload optimizer``,
   DeepSpeed-style; ``--offload params``, posttrain's ``train.cpu_offload``), alone and together. Each is planned
@@ -35,11 +37,12 @@ OFFLOAD_ORDER = ("none", "optimizer", "params")  # each moves more state off the
 AC_REMEDY = "full"
 
 
-def gpu_counts(gpus_per_node: int, limit: int = MAX_GPUS) -> list[int]:
-    """1 to ``gpus_per_node`` GPUs on one node, then whole nodes, up to ``limit``, in increasing order."""
+def gpu_counts(gpus_per_node: int, limit: int = MAX_GPUS, expert_parallel: int = 1) -> list[int]:
+    """1 to ``gpus_per_node`` GPUs on one node, then whole nodes, up to ``limit``, in increasing order; only
+    multiples of ``expert_parallel`` (EP groups are whole)."""
     counts = list(range(1, min(gpus_per_node, limit) + 1))
     counts += range(2 * gpus_per_node, limit + 1, gpus_per_node)
-    return counts
+    return [count for count in counts if count % expert_parallel == 0]
 
 
 def peak_gib(shape: ModelShape, inputs: PlanInputs) -> float:
@@ -52,7 +55,9 @@ def smallest_fitting(shape: ModelShape, inputs: PlanInputs, limit: int = MAX_GPU
     def fits(gpus: int) -> bool:
         return peak_gib(shape, replace(inputs, gpus=gpus)) <= inputs.gpu_memory_gib
 
-    counts = gpu_counts(inputs.gpus_per_node, limit)
+    counts = gpu_counts(inputs.gpus_per_node, limit, inputs.expert_parallel)
+    if not counts:
+        return None
     if fits(counts[0]):
         return counts[0]
     rest = counts[1:]  # the peak does not grow with the count from here on (module docstring)
@@ -125,7 +130,8 @@ def fit_verdict(shape: ModelShape, inputs: PlanInputs) -> dict:
                              "host_per_node_gib": planned["host_per_node"] / GIB})
     verdict = {"gpu": inputs.gpu, "gpu_memory_gib": memory, "fits": fits, "peak_gib": peak,
                "headroom_gib": memory - peak, "min_gpus": min_gpus, "remedies": remedies}
-    floor = None if fits or min_gpus is not None else peak_gib(shape, replace(inputs, gpus=MAX_GPUS))
+    floor = None if fits or min_gpus is not None else peak_gib(
+        shape, replace(inputs, gpus=gpu_counts(inputs.gpus_per_node, MAX_GPUS, inputs.expert_parallel)[-1]))
     return {**verdict, "text": _text(verdict, inputs.gpus, floor)}
 
 

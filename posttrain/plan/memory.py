@@ -39,6 +39,22 @@ twice (SDPA saves its output in head layout, ``o_proj`` its contiguous ``[s, b, 
 attention mask is passed (padded batches), ``repeat_kv`` expands K and V to all heads before SDPA, so they are
 stored at full width (``expanded_kv=True``). Both modes miss the allocator's own overhead and short-lived
 temporaries; tests/plan/test_measured.py compares them with measured runs.
+
+**Mixture of experts, expert parallelism (EP) × FSDP** (torchtitan's layout, ``parallel.expert``: EP ranks each
+own E/EP of every MoE layer's routed experts, and those are sharded by FSDP over the N/EP ranks that own the same
+experts; everything else is sharded over all N). Per GPU:
+
+* sharded states stay 18 B · P / N (bf16): experts 18 B · P_experts / (EP · N/EP) = 18 B · P_experts / N. EP
+  does not shrink the persistent state; it changes what is *gathered* and what is *sent*.
+* gathered unit: an MoE block gathers its dense parts (attention, router, shared experts, norms) over N and only
+  its E/EP experts over N/EP: 4 B · (P_block_dense + P_block_experts / EP), the expert part only when N/EP > 1
+  (with EP = N every expert stays whole on its one rank). Without EP one DeepSeek-V3 layer gathers all 256
+  experts, 11.3B parameters (42 GiB of bf16 params + grads): EP divides that by EP.
+* activations: an MoE layer keeps, per token, k routed copies (input h, gate/up 2i, silu i, product i, output h)
+  plus the shared experts and the router's fp32 scores (``moe_mlp_coefficient``). With EP and balanced routing a
+  rank processes as many routed copies as its own tokens produce (it receives what it sends), so the same figure
+  holds per GPU; router imbalance (the busiest expert over the mean) multiplies the routed part and is not
+  modelled (a capacity factor would bound it).
 """
 
 from __future__ import annotations
@@ -79,17 +95,62 @@ def model_states(params: int, largest_unit: int, gpus: int, gpus_per_node: int, 
     raise ValueError(f"offload {offload!r}: expected none, optimizer or params")
 
 
+def gathered_unit_params(shape: ModelShape, gpus: int, expert_parallel: int = 1) -> int:
+    """Parameters of the largest unit a GPU gathers at once (module docstring): the embedding or output head, a
+    dense block, or an MoE block's dense parts plus its E/EP experts (those only when FSDP shards them, N/EP > 1)."""
+    units = [shape.embedding_params()]
+    if shape.dense_layers:
+        units.append(shape.block_params())
+    if shape.is_moe:
+        experts = shape.moe_block_expert_params() // expert_parallel if gpus // expert_parallel > 1 else 0
+        units.append(shape.moe_block_dense_params() + experts)
+    return max(units)
+
+
+def _attention_coefficient(shape: ModelShape, e: int, layers: str, expanded_kv: bool) -> float:
+    """Bytes per s·b·h of everything but the MLP: the two norms, attention and the MLP's input (docstring)."""
+    h = shape.hidden_size
+    norm = e if layers == "minimal" else 4 + e  # HF's RMSNorm keeps its fp32 input beside the normalised tensor
+    q, o = shape.q_width / h, shape.o_width / h
+    k, v = (1.0, 1.0) if expanded_kv and not shape.is_mla else (shape.k_width / h, shape.v_width / h)
+    kept_output = 2 if layers == "hf" else 1  # HF: SDPA's output and o_proj's contiguous copy of it
+    extra = 0.0
+    if shape.qk_norm:  # Qwen3: RMSNorm over each Q and K head, on the unexpanded widths
+        extra += norm * (shape.q_width + shape.k_width) / h
+    if shape.is_mla:  # the latents: q_a output (norm in, norm out), kv_a output (norm in + rope part, norm out)
+        latent = shape.q_lora_rank + shape.kv_lora_rank
+        extra += (norm * latent + e * (latent + shape.qk_rope_head_dim)) / h
+    return 2 * norm + e * (1 + q + k + v + kept_output * o + 1) + extra
+
+
+def moe_mlp_coefficient(shape: ModelShape, precision: str = "bf16") -> float:
+    """Bytes per s·b·h an MoE layer's MLP keeps: each of the k routed copies of a token keeps its input (gathered
+    or received, h), the gate/up output (2·i), silu(gate) (i), the product (i) and the expert output before the
+    routing weight multiplies it (h); the S shared experts keep a SwiGLU's four i-wide tensors; the router keeps
+    its fp32 scores (4·E bytes per token). i is moe_intermediate_size. Read from HF's grouped_mm experts
+    (transformers.integrations.moe) and torchtitan's MoE, which keep the same tensors.
+    """
+    e, h, i = ELEMENT_BYTES[precision], shape.hidden_size, shape.moe_intermediate_size
+    routed = shape.experts_per_token * (2 + 4 * i / h)
+    shared = shape.shared_experts * 4 * i / h
+    return e * (routed + shared) + 4 * shape.num_experts / h
+
+
 def layer_activation_coefficient(shape: ModelShape, precision: str = "bf16", layers: str = "minimal",
-                                 expanded_kv: bool = False) -> float:
-    """Bytes per s·b·h one Llama block keeps for backward without recompute, s² terms excluded (docstring)."""
+                                 expanded_kv: bool = False, moe: bool = False) -> float:
+    """Bytes per s·b·h one block keeps for backward without recompute, s² terms excluded (docstring); ``moe``:
+    an MoE block (``moe_mlp_coefficient``) instead of a dense one."""
+    if layers not in ("minimal", "hf"):
+        raise ValueError(f"layers {layers!r}: expected minimal or hf")
     e = ELEMENT_BYTES[precision]
-    kv = 1.0 if expanded_kv else shape.kv_fraction
-    mlp = 4 * shape.intermediate_size / shape.hidden_size
-    if layers == "minimal":
-        return e * (6 + 2 * kv + mlp)
-    if layers == "hf":
-        return 2 * (4 + e) + e * (5 + 2 * kv + mlp)
-    raise ValueError(f"layers {layers!r}: expected minimal or hf")
+    mlp = moe_mlp_coefficient(shape, precision) if moe else e * 4 * shape.intermediate_size / shape.hidden_size
+    return _attention_coefficient(shape, e, layers, expanded_kv) + mlp
+
+
+def _layer_kinds(shape: ModelShape) -> list[tuple[int, bool]]:
+    """(count, is_moe) for the dense and the MoE layers that exist."""
+    kinds = [(shape.dense_layers, False), (shape.moe_layers, True)] if shape.is_moe else [(shape.num_layers, False)]
+    return [(count, moe) for count, moe in kinds if count]
 
 
 def attention_matrix_bytes(shape: ModelShape, seq: int, batch: int, precision: str = "bf16") -> float:
@@ -101,31 +162,43 @@ ActivationPolicy = Callable[..., float]
 ACTIVATION_POLICIES: Registry[ActivationPolicy] = Registry("activation checkpointing mode")
 
 
+def _block_bytes(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool, layers: str,
+                 expanded_kv: bool, moe: bool) -> float:
+    """One block's activations without recompute: c·s·b·h (+ 5·a·s²·b unless flash)."""
+    sbh = seq * batch * shape.hidden_size
+    kept = layer_activation_coefficient(shape, precision, layers, expanded_kv, moe) * sbh
+    return kept if flash else kept + attention_matrix_bytes(shape, seq, batch, precision)
+
+
+def _working_set(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool, layers: str,
+                 expanded_kv: bool) -> float:
+    """The largest block's activations, held while that block is recomputed in backward."""
+    return max(_block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe)
+               for _, moe in _layer_kinds(shape))
+
+
 @ACTIVATION_POLICIES.register("none")
 def activations_no_recompute(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
                              layers: str = "minimal", expanded_kv: bool = False) -> float:
-    """All layers keep everything: L · (c·s·b·h + [5·a·s²·b unless flash])."""
-    per_layer = layer_activation_coefficient(shape, precision, layers, expanded_kv) * seq * batch * shape.hidden_size
-    if not flash:
-        per_layer += attention_matrix_bytes(shape, seq, batch, precision)
-    return shape.num_layers * per_layer
+    """All layers keep everything: Σ over layers of (c·s·b·h + [5·a·s²·b unless flash]); c of MoE layers differs."""
+    return sum(count * _block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe)
+               for count, moe in _layer_kinds(shape))
 
 
 @ACTIVATION_POLICIES.register("selective")
 def activations_selective(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
                           layers: str = "minimal", expanded_kv: bool = False) -> float:
-    """Korthikanti's selective recompute: the attention core is recomputed, L · c·s·b·h (= none with flash)."""
-    return shape.num_layers * layer_activation_coefficient(shape, precision, layers, expanded_kv) * seq * batch * shape.hidden_size
+    """Korthikanti's selective recompute: the attention core is recomputed, Σ c·s·b·h (= none with flash)."""
+    return activations_no_recompute(shape, seq, batch, precision, True, layers, expanded_kv)
 
 
 @ACTIVATION_POLICIES.register("full")
 def activations_full(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
                      layers: str = "minimal", expanded_kv: bool = False) -> float:
-    """Full recompute: L block inputs e·s·b·h plus one block's working set during its backward."""
+    """Full recompute: L block inputs e·s·b·h plus the largest block's working set during its backward."""
     e = ELEMENT_BYTES[precision]
     inputs = shape.num_layers * e * seq * batch * shape.hidden_size
-    working = activations_no_recompute(shape, seq, batch, precision, flash, layers, expanded_kv) / shape.num_layers
-    return inputs + working
+    return inputs + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv)
 
 
 @ACTIVATION_POLICIES.register("op")
@@ -134,14 +207,24 @@ def activations_per_op(shape: ModelShape, seq: int, batch: int, precision: str, 
     """torchtitan's per-op selective AC (``selective_ac_option = "op"``): inside each block only the outputs of
     the ops in its save list are kept — every second matmul (wq, wv, w1, w2 in call order; wk, wo, w3 are
     recomputed) and the SDPA output — plus the block input; everything elementwise (norms, RoPE, SiLU, the
-    gate product) is recomputed. Per layer e·(1 + 1 + kv/h + 1 + i/h + 1)·s·b·h, plus one block's working set
-    while it is recomputed in backward.
+    gate product) is recomputed. Per layer e·(1 + q/h + v/h + o/h + i/h + 1)·s·b·h (Llama: e·(4 + kv/h + i/h)),
+    plus one block's working set while it is recomputed in backward. An MoE layer keeps w1's and w2's outputs
+    for each of its k routed copies and S shared experts, k·(i/h + 1) + S·(i/h + 1), and the router's fp32
+    scores (an approximation: the parity of "every second matmul" inside grouped expert matmuls is not modelled).
     """
-    e = ELEMENT_BYTES[precision]
-    kv = 1.0 if expanded_kv else shape.kv_fraction
-    kept = e * (4 + kv + shape.intermediate_size / shape.hidden_size) * seq * batch * shape.hidden_size
-    working = activations_no_recompute(shape, seq, batch, precision, flash, layers, expanded_kv) / shape.num_layers
-    return shape.num_layers * kept + working
+    e, h = ELEMENT_BYTES[precision], shape.hidden_size
+    kv = 1.0 if expanded_kv and not shape.is_mla else shape.v_width / h
+    attention = 1 + shape.q_width / h + kv + shape.o_width / h
+    sbh = seq * batch * h
+    kept = 0.0
+    for count, moe in _layer_kinds(shape):
+        if moe:
+            i = shape.moe_intermediate_size / h
+            mlp = e * (shape.experts_per_token + shape.shared_experts) * (i + 1) + 4 * shape.num_experts / h
+        else:
+            mlp = e * (shape.intermediate_size / h + 1)
+        kept += count * (e * attention + mlp) * sbh
+    return kept + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv)
 
 
 def logits_bytes(shape: ModelShape, seq: int, batch: int, chunk_tokens: int | None = 1024) -> float:
@@ -155,5 +238,11 @@ def logits_bytes(shape: ModelShape, seq: int, batch: int, chunk_tokens: int | No
 
 
 def kv_cache_bytes(shape: ModelShape, tokens: int, batch: int, element_bytes: int = 2) -> float:
-    """Rollout KV cache: 2 (K and V) · layers · kv_heads · head_dim · (prompt + completion) · batch · 2 B."""
+    """Rollout KV cache: 2 (K and V) · layers · kv_heads · head_dim · (prompt + completion) · batch · 2 B.
+
+    MLA caches its latent instead, layers · (kv_lora_rank + qk_rope_head_dim) per token, as vLLM and SGLang do
+    (HF's eager cache holds the decompressed per-head K and V, 2·heads·192/576 ≈ 85× more for DeepSeek-V3).
+    """
+    if shape.is_mla:
+        return shape.num_layers * (shape.kv_lora_rank + shape.qk_rope_head_dim) * tokens * batch * element_bytes
     return 2 * shape.num_layers * shape.num_kv_heads * shape.dim_per_head * tokens * batch * element_bytes

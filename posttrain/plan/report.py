@@ -30,6 +30,7 @@ class PlanInputs:
     completion_len: int = 1024
     rollout_batch: int = 8
     mfu: float = 0.4
+    expert_parallel: int = 1  # EP: ranks each MoE layer's routed experts are split over (parallel.expert)
     gpu: str = DEFAULT_GPU  # the preset the next three figures came from (posttrain/plan/hardware.py)
     gpu_memory_gib: float = GPU_PRESETS[DEFAULT_GPU].memory_gib
     peak_tflops: float = GPU_PRESETS[DEFAULT_GPU].peak_tflops  # bf16 dense
@@ -47,15 +48,37 @@ class PlanInputs:
     train_tokens: float = 1e10
 
 
+def expert_parallel_problems(shape: ModelShape, gpus: int, expert_parallel: int) -> list[str]:
+    """Why ``expert_parallel`` cannot shard ``shape`` over ``gpus`` GPUs (empty when it can), each with the fix."""
+    ep = expert_parallel
+    if ep < 1:
+        return ["--expert-parallel must be at least 1"]
+    if ep == 1:
+        return []
+    if not shape.is_moe:
+        return [f"--expert-parallel {ep}: {shape.name} is dense (no routed experts); drop --expert-parallel"]
+    problems = []
+    if shape.num_experts % ep:
+        problems.append(f"--expert-parallel {ep} does not divide the {shape.num_experts} routed experts of "
+                        f"{shape.name}; use a divisor of {shape.num_experts}")
+    if gpus % ep:
+        problems.append(f"--expert-parallel {ep} does not divide --gpus {gpus}: EP groups are whole; use a GPU count "
+                        f"that is a multiple of {ep}")
+    return problems
+
+
 def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
     """Every figure of the plan, in bytes / seconds / dollars, plus GiB conveniences for reading."""
-    params = shape.total_params()
+    problems = expert_parallel_problems(shape, inputs.gpus, inputs.expert_parallel)
+    if problems:
+        raise ValueError("; ".join(problems))
+    params, ep = shape.total_params(), inputs.expert_parallel
     # DPO: chosen and rejected go through the policy together, doubling the batch; the reference log-probs are
     # precomputed (posttrain caches them), so no reference model is resident.
     sequences = inputs.micro_batch * (2 if inputs.recipe == "dpo" else 1)
     seq = inputs.prompt_len + inputs.completion_len if inputs.recipe == "grpo" else inputs.seq
-    states = memory.model_states(params, shape.largest_unit_params(), inputs.gpus, inputs.gpus_per_node,
-                                 inputs.precision, inputs.offload)
+    unit = memory.gathered_unit_params(shape, inputs.gpus, ep)
+    states = memory.model_states(params, unit, inputs.gpus, inputs.gpus_per_node, inputs.precision, inputs.offload)
     activations = memory.ACTIVATION_POLICIES.get(inputs.ac)(shape, seq, sequences, inputs.precision, inputs.flash,
                                                             inputs.layers, inputs.padded and inputs.layers == "hf")
     logits = memory.logits_bytes(shape, seq, sequences, inputs.loss_chunk)
@@ -70,15 +93,28 @@ def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
         "logits": logits, "reference_model": reference, "rollout_kv_cache": kv_cache, "peak_per_gpu": peak,
         "host_per_node": states.host_per_node,
     }
+    if shape.is_moe:  # the routed experts' share of the sharded states, and of the gathered unit
+        experts = memory.model_states(shape.routed_expert_params(), 0, inputs.gpus, inputs.gpus_per_node,
+                                      inputs.precision, inputs.offload)
+        share = shape.moe_block_expert_params() // ep if inputs.gpus // ep > 1 else 0  # this GPU's E/EP experts
+        largest = inputs.gpus > 1 and shape.moe_block_dense_params() + share == unit
+        memory_part["expert_states"] = experts.sharded_gpu
+        memory_part["gathered_experts"] = memory.GATHERED_BYTES[inputs.precision] * share if largest else 0.0
 
     flops = timing.step_flops(shape, seq, sequences)
     compute_s = timing.compute_seconds(flops, 1, inputs.mfu, inputs.peak_tflops)  # one micro-batch on one GPU
-    traffic = timing.fsdp_bytes_per_gpu(params, inputs.gpus, 2 if inputs.precision == "bf16" else 4, 4)
-    comm_s = sum(traffic.values()) / (inputs.bandwidth_gbps * 1e9 / 8)
-    # Communication that does not hide behind compute sets the pace: a micro-batch takes the longer of the two.
-    tokens_per_s = seq * sequences * inputs.gpus / max(compute_s, comm_s)
+    element = memory.ELEMENT_BYTES[inputs.precision]
+    traffic = timing.moe_fsdp_bytes_per_gpu(shape, inputs.gpus, ep, element, 4)
+    bytes_per_s = inputs.bandwidth_gbps * 1e9 / 8
+    comm_s = sum(traffic.values()) / bytes_per_s
+    a2a = timing.all_to_all_bytes_per_gpu(shape, seq * sequences, ep, element, recompute=inputs.ac == "full")
+    a2a_s = sum(a2a.values()) / bytes_per_s
+    # FSDP traffic that does not hide behind compute sets the pace: a micro-batch takes the longer of the two;
+    # the MoE all-to-alls sit on the critical path and add to it (timing module docstring).
+    tokens_per_s = seq * sequences * inputs.gpus / (max(compute_s, comm_s) + a2a_s)
     comms = {**traffic, "total_bytes": sum(traffic.values()), "seconds": comm_s, "compute_seconds": compute_s,
-             "hidden": comm_s <= compute_s}
+             "hidden": comm_s <= compute_s, "all_to_all": a2a, "all_to_all_bytes": sum(a2a.values()),
+             "all_to_all_seconds": a2a_s}
 
     nodes = math.ceil(inputs.gpus / inputs.gpus_per_node)
     spot_nodes = round(nodes * inputs.spot_fraction)
@@ -124,16 +160,23 @@ def format_plan(plan: dict) -> str:
     model, inp, mem = plan["model"], plan["inputs"], plan["memory_bytes"]
     comm, run = plan["communication_per_microbatch"], plan["run"]
     overridden = inp["gpu_overridden"]
+    params = f"{model['total_params'] / 1e9:,.2f}B params"
+    if "active_params" in model:
+        params += (f", {model['active_params'] / 1e9:,.2f}B active; {model['num_experts']} experts, "
+                   f"{model['experts_per_token']} per token, EP {inp['expert_parallel']}")
     lines = [
-        f"plan: {model['name']} ({model['total_params'] / 1e9:,.2f}B params), {inp['recipe']}, "
+        f"plan: {model['name']} ({params}), {inp['recipe']}, "
         f"{inp['gpus']} GPUs ({run['nodes']} nodes × {inp['gpus_per_node']}), {inp['precision']}, "
         f"{_sequence(inp)}, "
         f"micro-batch {inp['micro_batch']}, AC {inp['ac']}, offload {inp['offload']}, {inp['layers']} layers",
         f"GPU {inp['gpu']}: {inp['gpu_memory_gib']:g} GiB, {inp['peak_tflops']:g} TFLOP/s bf16 dense, "
         f"{inp['hbm_tbps']:g} TB/s HBM" + (f" (overridden: {', '.join(overridden)})" if overridden else ""),
         "memory per GPU",
-        f"  params+grads+Adam (sharded)  {_gib(mem['sharded_states'])}",
-        f"  gathered largest unit        {_gib(mem['gathered_unit'])}",
+        f"  params+grads+Adam (sharded)  {_gib(mem['sharded_states'])}" + (
+            f" (routed experts {_gib(mem['expert_states'])})" if "expert_states" in mem else ""),
+        f"  gathered largest unit        {_gib(mem['gathered_unit'])}" + (
+            f" (its {model['num_experts'] // inp['expert_parallel']} of {model['num_experts']} experts "
+            f"{_gib(mem['gathered_experts'])})" if mem.get("gathered_experts") else ""),
         f"  activations                  {_gib(mem['activations'])}",
         f"  logits (chunked head)        {_gib(mem['logits'])}",
     ]
@@ -151,9 +194,20 @@ def format_plan(plan: dict) -> str:
         f"  all-gather fwd+bwd {2 * comm['all_gather_forward'] / 1e9:,.1f} GB, reduce-scatter "
         f"{comm['reduce_scatter'] / 1e9:,.1f} GB: {comm['seconds']:,.2f} s at {inp['bandwidth_gbps']:g} Gb/s vs "
         f"compute {comm['compute_seconds']:,.2f} s: {'hidden' if comm['hidden'] else 'NOT hidden (communication-bound)'}",
+    ]
+    if "active_params" in model and inp["expert_parallel"] == 1:
+        lines.append("  all-to-all: none (EP 1: no expert parallelism; FSDP gathers every expert instead)")
+    elif "active_params" in model:
+        lines.append(
+            f"  all-to-all (EP {inp['expert_parallel']}, {model['moe_layers']} MoE layers, dispatch+combine, fwd+bwd"
+            + (", recomputed fwd" if comm["all_to_all"]["recompute"] else "") + f") "
+            f"{comm['all_to_all_bytes'] / 1e9:,.1f} GB: {comm['all_to_all_seconds']:,.2f} s at "
+            f"{inp['bandwidth_gbps']:g} Gb/s, not hidden")
+    lines += [
         "time and goodput",
         f"  throughput        {run['tokens_per_s']:,.0f} tokens/s (MFU {inp['mfu']:g} × {inp['peak_tflops']:g} TFLOP/s, "
-        f"or the communication time where it is longer)",
+        f"or the communication time where it is longer" + (", plus the all-to-alls)" if "active_params" in model
+                                                           else ")"),
         f"  checkpoint        {run['checkpoint_bytes'] / 1e9:,.0f} GB, save {run['checkpoint_save_s']:,.0f} s at "
         f"{inp['store_gbps']:g} Gb/s",
         f"  interruptions     {run['unannounced_interruptions_per_hour']:.3g}/h unannounced, "

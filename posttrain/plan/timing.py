@@ -11,6 +11,16 @@
   and a reduce-scatter of fp32 gradients (``reduce_dtype=fp32``), 4P·(N−1)/N B. It hides behind compute when
   its time at the given per-GPU bandwidth is at most the micro-batch's compute time (FSDP prefetches the next
   unit's all-gather while the current one computes).
+* Mixture of experts: FLOPs count the parameters a token computes with (``ModelShape.flop_params``: k of E
+  routed experts), and attention's s² term uses MLA's widths (QKᵀ over heads·(nope+rope), AV over heads·v).
+  FSDP traffic splits: the dense parts over all N GPUs, each EP rank's E/EP experts over the N/EP ranks that own
+  them. **All-to-all** (expert parallelism): each MoE layer sends every routed copy of a token (k per token, h
+  wide) to the rank owning its expert (dispatch) and back (combine), in forward, and the gradients of both in
+  backward; with balanced routing (EP−1)/EP of the copies leave the rank: per GPU per micro-batch
+  2 (dispatch + combine) · passes · moe_layers · tokens · k · h · e · (EP−1)/EP bytes sent (as many received),
+  passes = 2 (forward, backward) or 3 with full AC (the recomputed forward repeats it), e = 2 (bf16). Its time
+  at the per-GPU bandwidth is added to the step: a dispatch must finish before its experts run, and posttrain
+  (like torchtitan without DualPipe-style overlap) does not hide it.
 * Checkpoint: DCP saves fp32 parameters + Adam m, v = 12 B/param; save time = size / store bandwidth.
 * Interval: Young 1974 / Daly 2006 first order, τ = √(2·C·M) with C the save time and M the job's mean time
   between unannounced failures.
@@ -29,10 +39,12 @@ from posttrain.plan.shapes import ModelShape
 
 
 def step_flops(shape: ModelShape, seq: int, sequences: int) -> float:
-    """Model FLOPs of one forward + backward over ``sequences`` sequences of ``seq`` tokens."""
+    """Model FLOPs of one forward + backward over ``sequences`` sequences of ``seq`` tokens: 6·N·T with N the
+    parameters a token computes with (``flop_params``), plus 6·L·s²·(q + o widths) per sequence (= 12·L·s²·h for
+    a Llama block, where both widths are h)."""
     tokens = seq * sequences
-    dense = 6.0 * shape.total_params() * tokens
-    attention = 12.0 * shape.num_layers * seq * seq * shape.hidden_size * sequences
+    dense = 6.0 * shape.flop_params() * tokens
+    attention = 6.0 * shape.num_layers * seq * seq * (shape.q_width + shape.o_width) * sequences
     return dense + attention
 
 
@@ -46,6 +58,31 @@ def fsdp_bytes_per_gpu(params: int, gpus: int, param_bytes: int = 2, grad_bytes:
     gather = param_bytes * params * share
     return {"all_gather_forward": gather, "all_gather_backward": gather,
             "reduce_scatter": grad_bytes * params * share}
+
+
+def moe_fsdp_bytes_per_gpu(shape: ModelShape, gpus: int, expert_parallel: int = 1, param_bytes: int = 2,
+                           grad_bytes: int = 4) -> dict[str, float]:
+    """FSDP traffic under EP × FSDP: the non-expert parameters over all N GPUs, each rank's E/EP experts over the
+    N/EP ranks that shard them (module docstring). For a dense model, ``fsdp_bytes_per_gpu`` of all of them."""
+    experts = shape.routed_expert_params()
+    dense = fsdp_bytes_per_gpu(shape.total_params() - experts, gpus, param_bytes, grad_bytes)
+    if not experts:
+        return dense
+    local = fsdp_bytes_per_gpu(experts // expert_parallel, gpus // expert_parallel, param_bytes, grad_bytes)
+    return {key: dense[key] + local[key] for key in dense}
+
+
+def all_to_all_bytes_per_gpu(shape: ModelShape, tokens: int, expert_parallel: int, element_bytes: int = 2,
+                             recompute: bool = False) -> dict[str, float]:
+    """Bytes each GPU sends (= receives) in the MoE all-to-alls of one micro-batch of ``tokens`` tokens per GPU:
+    per MoE layer and pass, dispatch and combine each move tokens · k · h · e · (EP−1)/EP (module docstring).
+    ``recompute``: full AC runs the forward's two all-to-alls again in backward."""
+    if not shape.is_moe or expert_parallel <= 1:
+        return {"dispatch_forward": 0.0, "combine_forward": 0.0, "backward": 0.0, "recompute": 0.0}
+    one = (shape.moe_layers * tokens * shape.experts_per_token * shape.hidden_size * element_bytes
+           * (expert_parallel - 1) / expert_parallel)
+    return {"dispatch_forward": one, "combine_forward": one, "backward": 2 * one,
+            "recompute": 2 * one if recompute else 0.0}
 
 
 def checkpoint_bytes(params: int) -> float:

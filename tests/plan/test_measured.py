@@ -1,4 +1,5 @@
-"""The memory model against this project's own measured CPU runs: peak RSS of a tiny SFT and a tiny DPO.
+"""The memory model against this project's own measured CPU runs: peak RSS of a tiny SFT and a tiny DPO, and of
+a tiny SFT on a Qwen3-MoE (expert parallelism 1; EP = 2 waits for posttrain/train/expert_parallel.py).
 
 What is compared: the *training increment*, the run's peak RSS (``peak_memory_mb`` in metrics.jsonl, ru_maxrss,
 posttrain/train/metrics.py) minus the baseline RSS of a process that made the same imports and built the same
@@ -79,5 +80,79 @@ def test_predicted_training_increment_within_20_percent(measured_model, recipe, 
                                         micro_batch=BATCH, precision="fp32", layers="hf", padded=recipe == "dpo"))
     predicted_mib = (plan["memory_bytes"]["peak_per_gpu"] - 4 * shape.total_params()) / 2**20
     print(f"{recipe}: baseline {baseline['baseline_rss_mb']:.0f} MiB, peak {peak:.0f} MiB, increment measured "
+          f"{measured_mib:.0f} MiB, predicted {predicted_mib:.0f} MiB ({predicted_mib / measured_mib - 1:+.1%})")
+    assert abs(predicted_mib / measured_mib - 1) < 0.20
+
+
+@pytest.fixture(scope="module")
+def measured_moe(tmp_path_factory):
+    """A 33.6M-parameter Qwen3-MoE built from transformers' Qwen3MoeConfig: h 256, 6 layers (layer 0 dense, MLP
+    1,024; five MoE layers of 16 experts, top-2, moe_intermediate 512), 4 heads of 64 / 2 KV heads, q/k norms."""
+    import torch
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from posttrain.models.tiny import DEFAULT_TEXTS, train_tokenizer
+
+    root = tmp_path_factory.mktemp("measured-moe")
+    tokenizer = train_tokenizer(DEFAULT_TEXTS, vocab_size=512)  # 384 tokens, as the tiny Llama above
+    config = Qwen3MoeConfig(
+        vocab_size=len(tokenizer), hidden_size=256, intermediate_size=1024, moe_intermediate_size=512,
+        num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2, head_dim=64, num_experts=16,
+        num_experts_per_tok=2, mlp_only_layers=[0], decoder_sparse_step=1, tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(config).save_pretrained(root / "model")
+    tokenizer.save_pretrained(root / "model")
+    filler = lambda i: " ".join(f"apple banana cherry {i} {j}" for j in range(40))  # noqa: E731  > SEQ tokens
+    rows = [{"messages": [{"role": "user", "content": f"List fruit {i}."},
+                          {"role": "assistant", "content": filler(i)}]} for i in range(2 * BATCH)]
+    (root / "sft.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    proc = subprocess.run([sys.executable, "-m", "tests.plan.measure", "baseline", str(root / "model")], cwd=ROOT,
+                          env=_env(), capture_output=True, text=True, timeout=300, check=True)
+    return root, str(root / "model"), json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _moe_plan(model: str):
+    shape = load_shape(model)
+    plan = build_plan(shape, PlanInputs(gpus=1, gpus_per_node=1, recipe="sft", ac="none", seq=SEQ, micro_batch=BATCH,
+                                        precision="fp32", layers="hf"))
+    return shape, plan["memory_bytes"]
+
+
+def test_moe_activations_match_the_tensors_autograd_saves(measured_moe):
+    """The MoE activation bookkeeping against what autograd actually keeps for backward: every saved tensor's
+    storage, parameters excluded, summed once, for one forward of the decoder (the head is chunked separately)."""
+    import torch
+
+    from posttrain.models.load import load_model
+
+    _, model_dir, _ = measured_moe
+    model = load_model(model_dir)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    ids = torch.randint(0, 300, (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model.model(input_ids=ids)
+    shape, planned = _moe_plan(model_dir)
+    measured = sum(saved.values())
+    print(f"moe activations: saved {measured / 2**20:.1f} MiB, planned {planned['activations'] / 2**20:.1f} MiB")
+    assert abs(planned["activations"] / measured - 1) < 0.05
+
+
+def test_moe_predicted_training_increment_within_20_percent(measured_moe, tmp_path):
+    root, model, baseline = measured_moe
+    peak = _run("sft", {"model.path": model, "data.train": root / "sft.jsonl"}, tmp_path / "out")
+    measured_mib = peak - baseline["baseline_rss_mb"]
+    shape, planned = _moe_plan(model)
+    assert shape.total_params() == baseline["params"] == 33_644_544
+    predicted_mib = (planned["peak_per_gpu"] - 4 * shape.total_params()) / 2**20
+    print(f"moe sft (EP 1): baseline {baseline['baseline_rss_mb']:.0f} MiB, peak {peak:.0f} MiB, increment measured "
           f"{measured_mib:.0f} MiB, predicted {predicted_mib:.0f} MiB ({predicted_mib / measured_mib - 1:+.1%})")
     assert abs(predicted_mib / measured_mib - 1) < 0.20
