@@ -1,25 +1,32 @@
-"""Near-duplicate stage throughput and quality vs datasketch, in one run; prints one JSON line.
+"""Near-duplicate stage vs datasketch, interleaved, plus short-text recall and scale; prints one JSON line.
 
-    python benchmarks/neardup.py [--docs 100000] [--workers 2] [--seed 0] [--skip-auto]
+    python benchmarks/neardup.py [--docs 30000] [--repeats 3] [--scale 30000,300000,1000000] [--seed 0]
+                                 [--skip-auto] [--smoke]
 
-Builds a corpus with planted near-duplicates (``posttrain.curate.corpus.planted_corpus``: 10 % light
-edits, Jaccard mostly 0.8-1.0; 5 % heavy edits, mostly 0.4-0.8), then runs
+Every figure uses **one configuration: the stage's defaults** (``NearDedupConfig()``: ``shingle: auto``,
+so character 5-grams below 100 words and 5-word shingles from there, 112 bins, LSH 22 × 5,
+threshold 0.7, exact verification). Only ``fields`` follows the data: the synthetic documents are
+single texts (``fields: prompt``); the real short answers are chats (``fields: both``, with the
+prompt check on).
 
-- ours: posttrain's near-dup stage (``NearDedupStage``: vectorised MinHash over 5-word shingles,
-  112 permutations, LSH 14 bands × 8 rows, candidates verified on exact shingle-set Jaccard ≥ 0.8),
-  features computed shard by shard (10k docs) and decided in one global step; once in this process
-  (``ours``) and once over a ``--workers`` process pool (``ours_pool``);
-- datasketch ``MinHash`` (``update_batch``) + ``MinHashLSH`` with the same shingles, 112 permutations
-  and threshold 0.8, once with the same 14 × 8 banding (``datasketch``) and once with the banding
-  datasketch chooses itself for that threshold (``datasketch_auto``); each document is queried then
-  inserted, which yields every candidate pair.
+- ``long``: ``posttrain.curate.corpus.planted_corpus`` with 100-300 words per document (10 % light
+  edits, 5 % heavy edits for precision). Ours (features shard by shard, 10k rows, then one global
+  decision, in this process) and datasketch 2.0 (``MinHash.update_batch`` + ``MinHashLSH``, the same
+  5-word shingles, 112 permutations, threshold 0.7, the same 22 × 5 banding; each document queried
+  then inserted) take turns ``--repeats`` times, so load from other jobs falls on both; medians and
+  their ratio are reported, wall and CPU. ``datasketch_auto`` runs once with the banding datasketch
+  picks for 0.7. Ground truth: exact Jaccard ≥ 0.7 of the 5-word shingle sets, on every pair any
+  method reports and every pair inside a planted copy family. ``ours_pool_2`` runs once over a
+  2-process pool and must report the same pairs.
+- ``short_real``: every response of 15-40 words in the vendored calibration set
+  (``posttrain.curate.calibration``, real documentation text) gets a two-word edit
+  (``calibrate.plant_word_edits``); the stage runs on all 660 clean records + the edits. Recall = edits
+  clustered with their source; precision = flagged pairs inside one record's family.
+- ``short_synthetic``: 15-40-word random Zipf-word texts, 10 % two-word substitutions of an earlier one.
+- ``scale``: ours alone at each ``--scale`` size (synthetic 100-300-word documents, 10 % light copies
+  within each 10k shard), generated shard by shard; time excludes generation.
 
-Ground truth is exact Jaccard of the 5-word shingle sets, evaluated on every pair either method
-reports and on every pair inside a planted copy family (so a pair missed by both still counts);
-unrelated random documents share no shingles (see tests/curate/test_curate_minhash.py).
-Throughput counts signature computation, banding and verification, not corpus generation. On a
-shared machine wall time depends on what else runs, so single-process runs also report CPU time
-(``time.process_time``) and the speedup is given on both.
+``--smoke`` shrinks everything to seconds (the test in tests/benchmarks runs it).
 """
 
 from __future__ import annotations
@@ -28,21 +35,28 @@ import argparse
 import json
 import os
 import platform
+import random
 import resource
+import statistics
 import sys
 import tempfile
 import time
 from itertools import combinations
 
-import numpy as np
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from posttrain.curate.config import ExecutorConfig, NearDedupConfig
-from posttrain.curate.corpus import families, jaccard, planted_corpus, precision_recall, shingle_set
-from posttrain.curate.dedup import NearDedupStage
-from posttrain.curate.executor import run_tasks
-from posttrain.curate.rows import Row
+import numpy as np  # noqa: E402
+
+from posttrain.curate.config import ExecutorConfig, NearDedupConfig  # noqa: E402
+from posttrain.curate.corpus import families, jaccard, planted_corpus, precision_recall, shingle_set  # noqa: E402
+from posttrain.curate.dedup import NearDedupStage  # noqa: E402
+from posttrain.curate.executor import run_tasks  # noqa: E402
+from posttrain.curate.minhash import connected_components  # noqa: E402
+from posttrain.curate.rows import Row  # noqa: E402
 
 SHARD = 10_000
+THRESHOLD = NearDedupConfig().threshold
+DOCUMENTS = NearDedupConfig(fields="prompt")  # the defaults; a document is one text
 
 
 def _rss_mb() -> float:
@@ -54,40 +68,26 @@ def _rows(texts: list[str], offset: int) -> list[Row]:
                 [{"role": "user", "content": t}, {"role": "assistant", "content": "."}]) for i, t in enumerate(texts)]  # fmt: skip
 
 
-def _peak_rss_of_this_process_mb() -> float:
-    """VmHWM: the high-water mark of this process's own memory (reset by exec, unlike ru_maxrss of children)."""
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
-
-
-def shard_features(task: tuple[NearDedupConfig, list[str], int, str]) -> tuple[dict, float]:
+def shard_features(task: tuple[NearDedupConfig, list[str], int, str]) -> dict:
     config, texts, offset, scratch = task
-    stage = NearDedupStage(config)
-    return stage.features(_rows(texts, offset), scratch), _peak_rss_of_this_process_mb()
+    return NearDedupStage(config).features(_rows(texts, offset), scratch)
 
 
-def run_ours(docs: list[str], workers: int, scratch_dir: str) -> tuple[set[tuple[int, int]], tuple[float, float], float]:
-    # The word rule the ground truth (5-word-shingle Jaccard) and datasketch use, not curate's default chars.
-    config = NearDedupConfig(fields="prompt", shingle="words", shingle_size=5, bands=14, rows=8, threshold=0.8)
-    tasks = [(config, docs[s : s + SHARD], s, f"{scratch_dir}/near-{workers}-{s}") for s in range(0, len(docs), SHARD)]
-    stage = NearDedupStage(config)
+def run_ours(docs: list[str], workers: int, scratch: str) -> tuple[set[tuple[int, int]], tuple[float, float]]:
+    tasks = [(DOCUMENTS, docs[s : s + SHARD], s, f"{scratch}/near-{workers}-{s}") for s in range(0, len(docs), SHARD)]
+    stage = NearDedupStage(DOCUMENTS)
     started, cpu_started = time.perf_counter(), time.process_time()
-    results = run_tasks(shard_features, tasks, ExecutorConfig(workers=workers), "ours", progress=False)
-    features = [features for features, _ in results]
+    features = run_tasks(shard_features, tasks, ExecutorConfig(workers=workers), "ours", progress=False)
     stage.decide(features, np.ones(len(docs), dtype=bool), [str(i) for i in range(len(docs))])
-    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu_started
-    worker_peak = max(peak for _, peak in results)
-    return {(int(a), int(b)) for a, b in stage.verified_pairs}, (seconds, cpu), worker_peak
+    times = time.perf_counter() - started, time.process_time() - cpu_started
+    return {(int(a), int(b)) for a, b in stage.verified_pairs}, times
 
 
 def run_datasketch(docs: list[str], params: tuple[int, int] | None) -> tuple[set[tuple[int, int]], tuple[float, float], str]:
     from datasketch import MinHash, MinHashLSH
 
     started, cpu_started = time.perf_counter(), time.process_time()
-    lsh = MinHashLSH(threshold=0.8, num_perm=112, params=params)
+    lsh = MinHashLSH(threshold=THRESHOLD, num_perm=112, params=params)
     pairs: set[tuple[int, int]] = set()
     for index, doc in enumerate(docs):
         sketch = MinHash(num_perm=112)
@@ -98,27 +98,21 @@ def run_datasketch(docs: list[str], params: tuple[int, int] | None) -> tuple[set
     return pairs, (time.perf_counter() - started, time.process_time() - cpu_started), f"{lsh.b}x{lsh.r}"
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=int, default=100_000)
-    parser.add_argument("--workers", type=int, default=2)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-auto", action="store_true", help="skip datasketch with its own banding")
-    args = parser.parse_args()
-
-    corpus = planted_corpus(args.docs, seed=args.seed)
+def long_texts(args: argparse.Namespace) -> dict:
+    corpus = planted_corpus(args.docs, seed=args.seed, min_words=100, max_words=300)
     docs = corpus.docs
-    rss_corpus = _rss_mb()
+    runs: dict[str, list] = {"ours": [], "datasketch": []}
     with tempfile.TemporaryDirectory() as scratch:
-        ours_pairs, ours_s, _ = run_ours(docs, 0, scratch)
-        rss_ours = _rss_mb()
-        pool_pairs, pool_s, worker_peak = run_ours(docs, args.workers, scratch)
-    assert pool_pairs == ours_pairs
-    sketch_pairs, sketch_s, sketch_bands = run_datasketch(docs, (14, 8))
+        for _ in range(args.repeats):  # turns: other jobs' load falls on both alike
+            runs["ours"].append(run_ours(docs, 0, scratch))
+            pairs, times, bands = run_datasketch(docs, (DOCUMENTS.bands, DOCUMENTS.rows))
+            runs["datasketch"].append((pairs, times))
+        pool_pairs, pool_times = run_ours(docs, 2, scratch)
+    ours_pairs, sketch_pairs = runs["ours"][0][0], runs["datasketch"][0][0]
+    assert all(p == ours_pairs for p, _ in runs["ours"]) and pool_pairs == ours_pairs, "ours is not deterministic"
     auto = None if args.skip_auto else run_datasketch(docs, None)
 
-    rss_total = _rss_mb()
-    evaluated = set(ours_pairs) | sketch_pairs | (auto[0] if auto else set())
+    evaluated = ours_pairs | sketch_pairs | (auto[0] if auto else set())
     for members in families(len(docs), corpus.planted):
         evaluated.update(combinations(sorted(members), 2))
     shingles: dict[int, set] = {}
@@ -128,35 +122,151 @@ def main() -> None:
             shingles[doc] = shingle_set(docs[doc])
         return shingles[doc]
 
-    truth = {pair for pair in evaluated if jaccard(shingles_of(pair[0]), shingles_of(pair[1])) >= 0.8}
+    truth = {pair for pair in evaluated if jaccard(shingles_of(pair[0]), shingles_of(pair[1])) >= THRESHOLD}
 
-    def figures(pairs: set, times: tuple[float, float], pool: bool = False) -> dict:
+    def figures(pairs: set, times: list[tuple[float, float]]) -> dict:
         precision, recall = precision_recall(pairs, truth)
-        wall, cpu = times
-        out = {"docs_per_s": round(len(docs) / wall), "seconds": round(wall, 2)}
-        if not pool:  # the parent's CPU time; a pool's work is in its children
-            out.update(docs_per_cpu_s=round(len(docs) / cpu), cpu_seconds=round(cpu, 2))
-        return {**out, "pairs": len(pairs), "precision": round(precision, 4), "recall": round(recall, 4)}
+        wall, cpu = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+        return {"seconds_median": round(wall, 3), "cpu_seconds_median": round(cpu, 3),
+                "seconds": [round(t[0], 2) for t in times], "docs_per_s": round(len(docs) / wall),
+                "pairs": len(pairs), "precision": round(precision, 4), "recall": round(recall, 4)}  # fmt: skip
 
+    ours = figures(ours_pairs, [t for _, t in runs["ours"]])
+    sketch = {**figures(sketch_pairs, [t for _, t in runs["datasketch"]]), "bands_x_rows": bands}
+    paired = [s[1][0] / o[1][0] for o, s in zip(runs["ours"], runs["datasketch"], strict=True)]
     result = {
-        "benchmark": "neardup",
         "docs": len(docs),
         "mean_words": round(float(np.mean([len(d.split()) for d in docs])), 1),
-        "planted_pairs": len(corpus.planted),
-        "true_pairs_jaccard_ge_0.8": len(truth),
-        "ours": figures(ours_pairs, ours_s),
-        f"ours_pool_{args.workers}": figures(pool_pairs, pool_s, pool=True),
-        "datasketch": {**figures(sketch_pairs, sketch_s), "bands_x_rows": sketch_bands},
-        "speedup_vs_datasketch": {"cpu": round(sketch_s[1] / ours_s[1], 2), "wall": round(sketch_s[0] / ours_s[0], 2)},
-        "peak_rss_mb": {"after_corpus": round(rss_corpus), "after_ours": round(rss_ours), "total": round(rss_total),
-                        "pool_worker_max": round(worker_peak)},  # fmt: skip
-        "machine": f"{platform.machine()} {os.cpu_count()} cpus, python {sys.version.split()[0]}",
+        "true_pairs": len(truth),
+        "ours": ours,
+        "datasketch": sketch,
+        "speedup": {"wall": round(sketch["seconds_median"] / ours["seconds_median"], 2),
+                    "cpu": round(sketch["cpu_seconds_median"] / ours["cpu_seconds_median"], 2),
+                    "wall_paired_median": round(statistics.median(paired), 2)},  # fmt: skip
+        "ours_pool_2": {"seconds": round(pool_times[0], 2), "same_pairs": pool_pairs == ours_pairs},
     }
     if auto:
-        result["datasketch_auto"] = {**figures(auto[0], auto[1]), "bands_x_rows": auto[2]}
-        result["speedup_vs_datasketch_auto"] = {"cpu": round(auto[1][1] / ours_s[1], 2),
-                                                "wall": round(auto[1][0] / ours_s[0], 2)}  # fmt: skip
-    print(json.dumps(result))
+        result["datasketch_auto"] = {**figures(auto[0], [auto[1]]), "bands_x_rows": auto[2]}
+    return result
+
+
+def _family_quality(rows: list[Row], family: np.ndarray, edited: np.ndarray, source: np.ndarray, config: NearDedupConfig) -> dict:
+    """Run the stage on ``rows``; recall = edited rows clustered with their source, precision = pairs within a family."""
+    stage = NearDedupStage(config)
+    with tempfile.TemporaryDirectory() as scratch:
+        stage.decide([stage.features(rows, f"{scratch}/s")], np.ones(len(rows), dtype=bool), [r.id for r in rows])
+    pairs = stage.verified_pairs
+    labels = connected_components(len(rows), pairs)
+    right = family[pairs[:, 0]] == family[pairs[:, 1]] if pairs.size else np.zeros(0, dtype=bool)
+    return {"edits": int(edited.size), "recall": round(float((labels[edited] == labels[source]).mean()), 4),
+            "pairs": int(pairs.shape[0]), "precision": round(float(right.mean()), 4) if pairs.size else 1.0}  # fmt: skip
+
+
+def short_real(seed: int) -> dict:
+    from posttrain.config import load_config
+    from posttrain.curate.calibrate import _EDITABLE, load_calibration_set, normalized_rows, plant_word_edits
+    from posttrain.curate.config import CurateRecipe
+
+    recipe = load_config(CurateRecipe, None, ["data.input=calibration", "output_dir=unused"])
+    records = load_calibration_set()
+    rng = random.Random(seed)
+    vocabulary = sorted({w.lower() for r in records for w in _EDITABLE.findall(r["response"]) if 3 <= len(w) <= 10})
+    chosen = [i for i, r in enumerate(records) if 15 <= len(r["response"].split()) <= 40]
+    edits = [{**records[i], "id": f"{records[i]['id']}#edit", "response": plant_word_edits(records[i]["response"], rng, vocabulary)}
+             for i in chosen]  # fmt: skip
+    rows = normalized_rows(records + edits, recipe)
+    family = np.array(list(range(len(records))) + chosen)
+    edited = np.arange(len(records), len(rows))
+    return {"texts": len(records), **_family_quality(rows, family, edited, np.array(chosen), recipe.near_dedup)}
+
+
+def _zipf_tokens(rng: np.random.Generator, vocab_size: int, count: int) -> np.ndarray:
+    weights = 1.0 / np.arange(1, vocab_size + 1) ** 0.8
+    return np.minimum(np.searchsorted(np.cumsum(weights / weights.sum()), rng.random(count)), vocab_size - 1)
+
+
+def synthetic(n: int, seed: int, min_words: int, max_words: int, edits: tuple[int, int]) -> tuple[list[str], np.ndarray, np.ndarray]:
+    """``n`` Zipf-word texts; 10 % copy an earlier one with ``edits`` word substitutions. Returns (texts, copies, sources)."""
+    rng = np.random.default_rng(seed)
+    vocab = [f"w{i:x}q" for i in rng.permutation(20_000)]
+    lengths = rng.integers(min_words, max_words + 1, size=n)
+    tokens = _zipf_tokens(rng, len(vocab), int(lengths.sum()))
+    bounds = np.concatenate(([0], np.cumsum(lengths)))
+    docs = [tokens[bounds[i] : bounds[i + 1]] for i in range(n)]
+    copies = np.flatnonzero(rng.random(n) < 0.1)
+    copies = copies[copies > 0]
+    sources = (rng.random(copies.size) * copies).astype(np.int64)
+    for copy, source in zip(copies.tolist(), sources.tolist(), strict=True):
+        doc = docs[source].copy()
+        changed = rng.choice(doc.size, size=min(int(rng.integers(edits[0], edits[1] + 1)), doc.size), replace=False)
+        doc[changed] = (doc[changed] + 1 + rng.integers(0, len(vocab) - 1, size=changed.size)) % len(vocab)
+        docs[copy] = doc
+    return [" ".join([vocab[t] for t in doc.tolist()]) for doc in docs], copies, sources
+
+
+def short_synthetic(n: int, seed: int) -> dict:
+    texts, copies, sources = synthetic(n, seed, 15, 40, (2, 2))
+    family = np.arange(n)
+    for copy, source in zip(copies.tolist(), sources.tolist(), strict=True):  # sources come first: one pass suffices
+        family[copy] = family[source]
+    return {"texts": n, **_family_quality(_rows(texts, 0), family, copies, sources, DOCUMENTS)}
+
+
+def scale(sizes: list[int], seed: int) -> list[dict]:
+    out = []
+    for size in sizes:
+        stage, features, seconds, cpu = NearDedupStage(DOCUMENTS), [], 0.0, 0.0
+        with tempfile.TemporaryDirectory() as scratch:
+            for shard, start in enumerate(range(0, size, SHARD)):
+                texts, _, _ = synthetic(min(SHARD, size - start), seed * 7919 + shard, 100, 300, (0, 4))
+                rows = _rows(texts, start)
+                started, cpu_started = time.perf_counter(), time.process_time()
+                features.append(stage.features(rows, f"{scratch}/s{shard}"))
+                seconds, cpu = seconds + time.perf_counter() - started, cpu + time.process_time() - cpu_started
+            started, cpu_started = time.perf_counter(), time.process_time()
+            stage.decide(features, np.ones(size, dtype=bool), [str(i) for i in range(size)])
+            decide_s = time.perf_counter() - started
+            seconds, cpu = seconds + decide_s, cpu + time.process_time() - cpu_started
+        out.append({"docs": size, "seconds": round(seconds, 2), "cpu_seconds": round(cpu, 2), "decide_seconds": round(decide_s, 2),
+                    "docs_per_s": round(size / seconds), "pairs": int(stage.verified_pairs.shape[0]), "peak_rss_mb": round(_rss_mb())})  # fmt: skip
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--docs", type=int, default=30_000, help="long documents in the comparison with datasketch")
+    parser.add_argument("--repeats", type=int, default=3, help="turns of ours and datasketch")
+    parser.add_argument("--scale", default="30000,300000,1000000", help="sizes timed for ours alone")
+    parser.add_argument("--short-docs", type=int, default=20_000, help="texts in the synthetic short-text set")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--skip-auto", action="store_true", help="skip datasketch with its own banding")
+    parser.add_argument("--smoke", action="store_true", help="tiny sizes, for the test")
+    args = parser.parse_args()
+    if args.smoke:
+        args.docs, args.repeats, args.scale, args.short_docs, args.skip_auto = 800, 1, "2000,5000", 500, True
+    started = time.perf_counter()
+    load = os.getloadavg()[0]
+    long = long_texts(args)
+    real, synth = short_real(args.seed), short_synthetic(args.short_docs, args.seed)
+    sizes = scale([int(s) for s in args.scale.split(",") if s], args.seed)
+    goal = {
+        "long_10x_wall": long["speedup"]["wall"] >= 10,
+        "long_recall_precision_0.97": min(long["ours"]["recall"], long["ours"]["precision"]) >= 0.97,
+        "short_recall_0.9_precision_0.95": min(real["recall"], synth["recall"]) >= 0.9
+        and min(real["precision"], synth["precision"]) >= 0.95,
+    }
+    print(json.dumps({
+        "benchmark": "neardup",
+        "config": "NearDedupConfig() defaults (fields=prompt for single documents, both for chats)",
+        "long": long,
+        "short_real": real,
+        "short_synthetic": synth,
+        "scale": sizes,
+        "goal_met": goal,
+        "total_seconds": round(time.perf_counter() - started),
+        "machine": f"{platform.machine()} {os.cpu_count()} cpus, load {load:.1f}-{os.getloadavg()[0]:.1f}, "
+                   f"python {sys.version.split()[0]}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}",
+    }))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -103,10 +103,16 @@ class ExactDedupConfig(StrictModel):
 class NearDedupConfig(StrictModel):
     enabled: bool = True
     fields: Literal["prompt", "response", "both"] = "both"
-    shingle: Literal["words", "chars"] = Field(
-        default="chars", description="Shingles of words, or of characters of the words joined by single spaces."
+    shingle: Literal["auto", "words", "chars"] = Field(
+        default="auto", description="auto: by length — characters of the words joined by single spaces for texts "
+        "under long_text_words words (a two-word edit of a short answer stays near), words from there on (the same "
+        "edit of a long text at a sixth of the cost); words / chars: one kind for every length."
     )
     shingle_size: int = Field(default=5, ge=1, description="Words (or characters) per shingle.")
+    long_text_words: int = Field(
+        default=100, ge=2, description="shingle=auto: texts of at least this many words are shingled by words; "
+        "texts from 0.9 × threshold × this many words are compared in both kinds, so no pair is lost at the border."
+    )
     num_perm: int = Field(default=112, ge=1)
     bands: int = Field(default=22, ge=1, description="LSH bands; 22 × 5 finds pairs at Jaccard 0.7 with p ≈ 0.98.")
     rows: int = Field(default=5, ge=1)
@@ -129,6 +135,9 @@ class NearDedupConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> NearDedupConfig:
+        if self.shingle != "auto" and "long_text_words" in self.model_fields_set:
+            raise ValueError(f"near_dedup.long_text_words is the shingle=auto length cut; shingle={self.shingle} "
+                             "uses one kind for every length: drop it or set shingle: auto")
         if self.bands * self.rows > self.num_perm:
             raise ValueError(
                 f"bands × rows = {self.bands * self.rows} exceeds num_perm = {self.num_perm}; "

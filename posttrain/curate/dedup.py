@@ -95,8 +95,21 @@ class ShingleSets:
         return np.asarray(values[offsets[local] : offsets[local + 1]])
 
 
+
+
 class NearDedupStage:
     """MinHash LSH over each row's text (``fields``), candidates verified on shingle-set Jaccard.
+
+    Shingles depend on length under ``shingle: auto`` (the default). A text of fewer than
+    ``long_text_words`` (100) words is shingled by characters, which see a two-word edit of a short
+    answer; a longer one by ``shingle_size``-word shingles, which see the same edit of a long text at
+    a sixth of the cost (about 1 shingle a word instead of 6). The two are *lanes*: each has its own
+    signatures, LSH buckets and exact Jaccard, and a pair is a duplicate when it reaches
+    ``threshold`` in either lane it shares. Texts of ``threshold·0.9·100`` (63) to 99 words are in
+    both lanes, so no pair is lost at the border: two texts with Jaccard ≥ ``threshold`` have set
+    sizes within a factor ``threshold``, so when one has 100 words or more the other has at least
+    ~70 and is in the word lane too. ``shingle: words`` is one lane of word shingles for every length,
+    ``shingle: chars`` one of character shingles (the slow way for long texts, kept for comparison).
 
     With ``fields: both`` and ``min_prompt_jaccard`` set, a verified pair must also have prompts
     whose ``prompt_shingle_size``-*word* shingle sets reach that Jaccard. Character shingles make a
@@ -110,21 +123,35 @@ class NearDedupStage:
 
     def __init__(self, config: NearDedupConfig):
         self.config = config
-        self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed, shingle=config.shingle)
+        self.hasher = MinHasher(config.num_perm, config.shingle_size, config.seed, shingle="words")
+        # auto: two lanes cut by length; chars: the character lane for every length (no text is "long")
+        self.by_length = config.shingle != "words"
+        self.lanes = {"auto": ("chars", "words"), "chars": ("chars",), "words": ("words",)}[config.shingle]
+        self.long_words = config.long_text_words if config.shingle == "auto" else np.iinfo(np.int64).max
+        self.overlap_from = (int(config.long_text_words * config.threshold * 0.9) if config.shingle == "auto"
+                             else np.iinfo(np.int64).max)
         self.verified_pairs = np.zeros((0, 2), dtype=np.int64)
         self.check_prompts = config.fields == "both" and config.min_prompt_jaccard is not None
-        # Word shingles of the prompts, for the prompt check only (the one permutation is never used).
+        # Word shingles of the prompts, for the prompt check only (the one bin is never used).
         self.prompt_hasher = (MinHasher(1, config.prompt_shingle_size, config.seed, shingle="words")
                               if self.check_prompts else None)
 
     def features(self, rows: list[Row], scratch: str) -> dict[str, Any]:
         exact = self.config.verify == "exact"
-        signatures, values, offsets = self.hasher.sign([row.text(self.config.fields) for row in rows], exact)
-        features: dict[str, Any] = {"signatures": signatures}
-        if exact:
-            np.save(f"{scratch}-shingles.npy", values)
-            np.save(f"{scratch}-offsets.npy", offsets)
-            features.update(values=f"{scratch}-shingles.npy", offsets=f"{scratch}-offsets.npy")
+        texts = [row.text(self.config.fields) for row in rows]
+        if self.by_length:
+            lanes = self.hasher.sign_by_length(texts, self.long_words, self.overlap_from, exact)
+            lanes = {lane: lanes[lane] for lane in self.lanes}
+        else:
+            lanes = {"words": (np.arange(len(texts)), *self.hasher.sign(texts, exact))}
+        features: dict[str, Any] = {"rows": len(rows)}
+        for lane, (members, signatures, values, offsets) in lanes.items():
+            features.update({f"{lane}_members": members, f"{lane}_signatures": signatures})
+            if exact:
+                np.save(f"{scratch}-{lane}-shingles.npy", values)
+                np.save(f"{scratch}-{lane}-offsets.npy", offsets)
+                features.update({f"{lane}_values": f"{scratch}-{lane}-shingles.npy",
+                                 f"{lane}_offsets": f"{scratch}-{lane}-offsets.npy"})  # fmt: skip
         if self.check_prompts:
             values, offsets = self.prompt_hasher.shingle_sets([row.prompt for row in rows])
             np.save(f"{scratch}-prompt-shingles.npy", values)
@@ -136,26 +163,37 @@ class NearDedupStage:
         decisions = Decisions()
         if alive.sum() < 2:
             return decisions
-        signatures = np.concatenate([f["signatures"] for f in shard_features])
-        valid = alive & (signatures[:, 0] != np.uint32(0xFFFFFFFF))  # a text without words matches nothing
-        keep_pair = None
+        shard_starts = np.cumsum([0] + [f["rows"] for f in shard_features])[:-1]
+        prompt_check = None
         if self.check_prompts:
             prompts, floor = ShingleSets(shard_features, "prompt_"), self.config.min_prompt_jaccard
 
-            def keep_pair(pairs: np.ndarray) -> np.ndarray:
+            def prompt_check(pairs: np.ndarray) -> np.ndarray:
                 return exact_jaccard(pairs, prompts) >= floor
 
-        labels, pairs = near_duplicate_clusters(
-            signatures,
-            self.config.bands,
-            self.config.rows,
-            self.config.threshold,
-            verify=self.config.verify,
-            shingle_set_of=ShingleSets(shard_features) if self.config.verify == "exact" else None,
-            valid=valid,
-            max_bucket=self.config.max_bucket,
-            keep_pair=keep_pair,
-        )
+        found = [np.zeros((0, 2), dtype=np.int64)]
+        for lane in self.lanes:
+            # Lane row → position in the concatenated input.
+            positions = np.concatenate([start + f[f"{lane}_members"] for start, f in zip(shard_starts, shard_features, strict=True)])
+            if positions.size < 2:
+                continue
+            signatures = np.concatenate([f[f"{lane}_signatures"] for f in shard_features])
+            valid = alive[positions] & (signatures[:, 0] != np.uint32(0xFFFFFFFF))  # a text without words matches nothing
+            keep_pair = None if prompt_check is None else (lambda pairs, at=positions: prompt_check(at[pairs]))
+            _, pairs = near_duplicate_clusters(
+                signatures,
+                self.config.bands,
+                self.config.rows,
+                self.config.threshold,
+                verify=self.config.verify,
+                shingle_set_of=ShingleSets(shard_features, f"{lane}_") if self.config.verify == "exact" else None,
+                valid=valid,
+                max_bucket=self.config.max_bucket,
+                keep_pair=keep_pair,
+            )
+            found.append(positions[pairs])
+        pairs = np.unique(np.concatenate(found), axis=0)
+        labels = connected_components(alive.size, pairs)
         self.verified_pairs = pairs  # kept for reports and benchmarks
         for position in np.unique(pairs.ravel()):
             representative = int(labels[position])

@@ -9,31 +9,37 @@ clustering) runs once in the parent on compact ``uint32`` arrays:
    at once from one prefix sum (no Python loop over words).
 2. ``shingle_hashes``: overlapping ``k``-word shingles (``shingle="words"``) are combined from word
    hashes; texts shorter than ``k`` words get one shingle of all their words. With
-   ``shingle="chars"`` (curate's default) the shingles are ``k``-byte windows of the words joined by
-   single spaces (``char_shingle_hashes``), which see a two-word edit of a short text that 5-word
-   shingles cannot.
-3. ``minhash_signatures``: for all shingles and all ``num_perm`` hash functions at once, as one
-   broadcast matrix operation per chunk, then a segmented minimum per text (``np.minimum.reduceat``).
-   Broder, "On the resemblance and containment of documents" (1997): for a random hash ``h``,
-   ``P[min h(A) = min h(B)] = |A ∩ B| / |A ∪ B|`` (Jaccard), so the fraction of equal signature
-   entries estimates Jaccard similarity.
+   ``shingle="chars"`` the shingles are ``k``-byte windows of the words joined by single spaces
+   (``char_shingle_hashes``), which see a two-word edit of a short text that 5-word shingles cannot.
+   ``sign_by_length`` does both in one pass, by length: characters for short texts, words for long
+   ones (curate's default; the lanes are explained in ``posttrain.curate.dedup.NearDedupStage``).
+3. ``signatures_from_shingles``: one-permutation MinHash (Li, Owen & Zhang, "One permutation
+   hashing", NIPS 2012) with optimal densification (Shrivastava, "Optimal densification for fast
+   and accurate minwise hashing", ICML 2017). Each shingle is hashed once: the hash's high bits pick
+   one of ``num_perm`` bins, its low 32 bits are the value, and a bin keeps its minimum
+   (``np.minimum.at`` over the whole batch). An empty bin takes the value of the first non-empty bin
+   in a fixed, seeded order of the other bins. For two sets the bin agrees with probability
+   ``|A ∩ B| / |A ∪ B|`` (Jaccard): the first bin of the order that is non-empty in ``A ∪ B`` holds
+   the union's minimum of that bin, shared by both exactly when it lies in ``A ∩ B`` (Broder, "On the
+   resemblance and containment of documents", 1997). The cost is one hash per shingle instead of
+   ``num_perm``, so signing no longer dominates. With sets much larger than ``num_perm`` the
+   estimate's variance is below that of ``num_perm`` permutations (sampling without replacement, Li
+   et al. 2012); densification keeps it close to it for small sets.
 4. ``lsh_candidate_pairs``: the signature is cut into ``bands × rows``; two texts are candidates
    when all rows of any band agree, which happens with probability ``1 - (1 - s^r)^b`` at Jaccard
-   ``s`` (Leskovec, Rajaraman & Ullman, *Mining of Massive Datasets*, ch. 3.4). Default 14 × 8 puts
-   the S-curve's steep part around 0.72, so pairs at Jaccard ≥ 0.8 are found with probability ≥ 0.92.
+   ``s`` (Leskovec, Rajaraman & Ullman, *Mining of Massive Datasets*, ch. 3.4). Curate's 22 × 5
+   finds a pair at Jaccard 0.7 with probability 0.98; 14 × 8 finds one at 0.8 with ≥ 0.92.
 5. Verification keeps candidates whose Jaccard similarity reaches the threshold, removing the
    chance collisions banding lets through: exactly, from each text's set of shingle hashes
    (``exact_jaccard``; the default), or from the signature agreement (``signature_agreement``, a
-   MinHash estimate with standard deviation ``sqrt(J(1-J)/num_perm)``, about 0.04 at 112
-   permutations). ``connected_components`` groups the verified pairs into duplicate clusters.
+   MinHash estimate with standard deviation about ``sqrt(J(1-J)/num_perm)``, 0.04 at 112 bins).
+   Only the texts in candidate pairs have their sets read back. ``connected_components`` groups the
+   verified pairs into duplicate clusters.
 
-Hash family. Instead of ``(a·x + b) mod p`` with the Mersenne prime ``p = 2^61 - 1`` (which needs a
-128-bit product to be exact), we use Dietzfelbinger's multiply-add-shift scheme
-``h_{a,b}(x) = ((a·x + b) mod 2^64) >> 32`` for 32-bit ``x`` and random 64-bit ``a`` (odd), ``b``:
-a 2-independent family (Dietzfelbinger 1996, "Universal hashing and k-wise independent random
-variables via integer arithmetic without primes") whose ``mod 2^64`` is free in ``uint64``
-arithmetic. Because ``>> 32`` is monotone, the minimum is taken over the full 64-bit values and
-shifted once per text, saving a pass over the ``[shingles, num_perm]`` matrix.
+Hashes. Words and character windows get a polynomial hash mod 2^64 from one prefix sum per batch,
+mixed by the splitmix64 finaliser and cut to 32 bits (the set values); the bin hash is splitmix64 of
+that value xor a seeded key. Everything is seeded, so hashers with the same
+``(num_perm, shingle_size, seed)`` agree on every machine and shards signed apart can be compared.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ for _c in b" \t\n\r\x0b\x0c!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~":
     _IS_WORD_BYTE[_c] = False
 for _c in range(32):
     _IS_WORD_BYTE[_c] = False
+# A byte's term in a word's polynomial hash: its value + 1 (so a zero byte still counts); 0 between words.
+_WORD_BYTE_TERM = np.where(_IS_WORD_BYTE, np.arange(1, 257, dtype=np.uint64), np.uint64(0))
 
 
 def _splitmix64(values: np.ndarray) -> np.ndarray:
@@ -62,12 +70,18 @@ def _splitmix64(values: np.ndarray) -> np.ndarray:
     return z ^ (z >> np.uint64(31))
 
 
+def _per_text(starts: np.ndarray, encoded: list[bytes]) -> np.ndarray:
+    """How many of ``starts`` (sorted byte offsets into the texts joined by one separator byte) fall in each text."""
+    ends = np.cumsum(np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + 1)
+    return np.diff(np.searchsorted(starts, ends), prepend=0).astype(np.int64)
+
+
 def _random_uint64(rng: np.random.Generator, shape: int | tuple[int, ...]) -> np.ndarray:
     return rng.integers(0, np.iinfo(np.uint64).max, size=shape, dtype=np.uint64, endpoint=True)
 
 
 class MinHasher:
-    """Signatures of ``num_perm`` hash functions over ``shingle_size``-word shingles; seeded, picklable.
+    """Signatures of ``num_perm`` one-permutation MinHash bins over ``shingle_size``-word (or -character) shingles; seeded, picklable.
 
     Two hashers with the same ``(num_perm, shingle_size, seed)`` give identical signatures on every
     machine, so shards signed by different processes can be compared. Texts are processed in
@@ -81,7 +95,6 @@ class MinHasher:
         shingle_size: int = 5,
         seed: int = 0,
         batch_bytes: int = 1 << 17,
-        chunk_shingles: int = 2048,
         shingle: str = "words",
     ):
         if num_perm < 1 or shingle_size < 1:
@@ -89,13 +102,16 @@ class MinHasher:
         if shingle not in ("words", "chars"):
             raise ValueError(f"shingle must be 'words' or 'chars' (got {shingle!r})")
         self.num_perm, self.shingle_size, self.seed, self.shingle = num_perm, shingle_size, seed, shingle
-        self.batch_bytes, self.chunk_shingles = batch_bytes, chunk_shingles
+        self.batch_bytes = batch_bytes
         rng = np.random.default_rng(seed)
         self._base = _random_uint64(rng, (1,))[0] | np.uint64(1)  # odd, so invertible mod 2^64
         self._base_inverse = np.uint64(pow(int(self._base), -1, 1 << 64))
         self._shingle_mult = _random_uint64(rng, (shingle_size,)) | np.uint64(1)
-        self._a = _random_uint64(rng, (num_perm,)) | np.uint64(1)
-        self._b = _random_uint64(rng, (num_perm,))
+        self._bin_key = _random_uint64(rng, (1,))[0]  # seeds the one hash that bins and ranks shingles
+        # Densification: an empty bin j takes the value of the first non-empty bin in borrow[j]
+        # (j itself, then the other bins in a seeded random order; the same order for every text).
+        others = np.arange(num_perm, dtype=np.int64)
+        self._borrow = np.stack([np.concatenate(([j], rng.permutation(np.delete(others, j)))) for j in range(num_perm)])
         self._powers = np.ones(1, np.uint64)
         self._inverse_powers = np.ones(1, np.uint64)
 
@@ -136,16 +152,10 @@ class MinHasher:
         self._ensure_powers(data.size)
         prefix = np.empty(data.size + 1, dtype=np.uint64)
         prefix[0] = 0
-        np.multiply(data, self._powers[: data.size], out=prefix[1:])
-        prefix[1:] += self._powers[: data.size]  # byte value + 1, so a zero byte still counts
-        prefix[1:][~is_word] = 0
+        np.multiply(_WORD_BYTE_TERM[data], self._powers[: data.size], out=prefix[1:])
         np.add.accumulate(prefix, out=prefix)
         hashes = _splitmix64((prefix[ends] - prefix[starts]) * self._inverse_powers[starts])
-        # Which text each word belongs to: texts are joined with one separator byte.
-        lengths = np.fromiter(map(len, encoded), dtype=np.int64, count=len(encoded)) + 1
-        owner = np.searchsorted(np.cumsum(lengths), starts, side="right")
-        words_per_text = np.bincount(owner, minlength=len(texts)).astype(np.int64)
-        return hashes, words_per_text
+        return hashes, _per_text(starts, encoded)
 
     def char_shingle_hashes(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """Hashes of ``k``-byte shingles of each text's words joined by single spaces (UTF-8 bytes:
@@ -193,7 +203,10 @@ class MinHasher:
         if self.shingle == "chars":
             hashes, counts = self.char_shingle_hashes(texts)
             return _splitmix64(hashes) & _MASK32, counts
-        words, per_text = self.word_hashes(texts)
+        return self._word_shingles(*self.word_hashes(texts))
+
+    def _word_shingles(self, words: np.ndarray, per_text: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``k``-word shingles from ``word_hashes``'s output, as ``shingle_hashes`` returns them."""
         k = self.shingle_size
         n_words = words.size
         text_start = np.concatenate(([0], np.cumsum(per_text)[:-1])).astype(np.int64)
@@ -261,37 +274,77 @@ class MinHasher:
         offsets = np.concatenate(([0], np.cumsum(set_sizes))).astype(np.int64)
         return out, values, offsets
 
+    def sign_by_length(self, texts: Sequence[str], long_words: int, overlap_from: int, with_sets: bool = True
+                       ) -> dict[str, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]]:
+        """Length-aware shingles in two lanes: ``{"chars": ..., "words": ...}``, each ``(members,
+        signatures, shingle_values, shingle_offsets)`` as ``sign`` returns them for the texts
+        ``members`` (indices into ``texts``). Texts of fewer than ``long_words`` words get character
+        shingles (lane ``chars``), texts of at least ``overlap_from`` words word shingles (lane
+        ``words``); the words are cut and hashed once per batch for both the count and the shingles."""
+        parts: dict[str, list] = {"chars": [], "words": []}
+        for first, last in self._batches(texts):
+            words, per_text = self.word_hashes(texts[first:last])
+            wide = per_text >= overlap_from
+            if wide.any():
+                shingles, counts = self._word_shingles(words, per_text)
+                if not wide.all():
+                    shingles, counts = shingles[np.repeat(wide, counts)], counts[wide]
+                parts["words"].append((first + np.flatnonzero(wide), shingles, counts))
+            narrow = np.flatnonzero(per_text < long_words)
+            if narrow.size:
+                hashes, counts = self.char_shingle_hashes([texts[first + i] for i in narrow])
+                parts["chars"].append((first + narrow, _splitmix64(hashes) & _MASK32, counts))
+        out = {}
+        for lane, pieces in parts.items():
+            members = np.concatenate([m for m, _, _ in pieces]) if pieces else np.zeros(0, np.int64)
+            signatures = (np.concatenate([self.signatures_from_shingles(h, c) for _, h, c in pieces]) if pieces
+                          else np.zeros((0, self.num_perm), np.uint32))  # fmt: skip
+            sizes = np.concatenate([c for _, _, c in pieces]) if pieces and with_sets else np.zeros(0, np.int64)
+            values = (np.concatenate([h.astype(np.uint32) for _, h, _ in pieces]) if pieces and with_sets
+                      else np.zeros(0, np.uint32))  # fmt: skip
+            out[lane] = members, signatures, values, np.concatenate(([0], np.cumsum(sizes))).astype(np.int64)
+        return out
+
     def shingle_sets(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
         """``(shingle_values, shingle_offsets)`` as ``sign`` returns them, without the signatures."""
         _, values, offsets = self.sign(texts, signatures=False)
         return values, offsets
 
     def signatures_from_shingles(self, shingles: np.ndarray, counts: np.ndarray) -> np.ndarray:
-        """Min over shingles of ``(a·x + b) mod 2^64``, shifted to 32 bits: ``[n, num_perm]`` uint32."""
-        n = counts.size
-        out = np.full((n, self.num_perm), _EMPTY, dtype=np.uint32)
-        nonempty = np.flatnonzero(counts > 0)
-        if nonempty.size == 0:
-            return out
-        bounds = np.concatenate(([0], np.cumsum(counts[nonempty])))
-        buffer = np.empty((max(self.chunk_shingles, int(counts.max())), self.num_perm), dtype=np.uint64)
-        first = 0
-        while first < nonempty.size:
-            # Whole texts until the chunk is full (always at least one text).
-            last = int(np.searchsorted(bounds, bounds[first] + self.chunk_shingles, side="right")) - 1
-            last = max(last, first + 1)
-            lo, hi = bounds[first], bounds[last]
-            rows = buffer[: hi - lo]
-            np.multiply(shingles[lo:hi, None], self._a[None, :], out=rows)
-            rows += self._b
-            mins = np.minimum.reduceat(rows, bounds[first:last] - lo, axis=0)
-            out[nonempty[first:last]] = (mins >> np.uint64(32)).astype(np.uint32)
-            first = last
-        return out
+        """One-permutation MinHash with optimal densification: ``[n, num_perm]`` uint32.
+
+        One seeded 64-bit hash per shingle (not one per shingle and permutation): its high 32 bits pick
+        one of ``num_perm`` bins, its low 32 bits are the value, and each bin keeps the minimum value
+        of the text's shingles that fall in it (one ``np.minimum.at`` over the batch). An empty bin
+        copies the first non-empty bin of its fixed borrowing order (``_borrow``), so every entry of
+        two texts' signatures agrees with probability equal to their Jaccard similarity.
+        """
+        n, bins = counts.size, self.num_perm
+        out = np.full(n * bins, _EMPTY, dtype=np.uint32)
+        if shingles.size == 0:
+            return out.reshape(n, bins)
+        mixed = _splitmix64(shingles.astype(np.uint64) ^ self._bin_key)
+        owner = np.repeat(np.arange(n, dtype=np.int64) * bins, counts)
+        owner += (((mixed >> np.uint64(32)) * np.uint64(bins)) >> np.uint64(32)).astype(np.int64)
+        np.minimum.at(out, owner, (mixed & _MASK32).astype(np.uint32))
+        filled = np.zeros(n * bins, dtype=bool)
+        filled[owner] = True
+        # Empty bins of texts with at least one shingle, as (text·bins, bin); borrowed from `out`'s
+        # filled entries only, which no round changes.
+        empty = np.flatnonzero(~filled.reshape(n, bins) & (counts > 0)[:, None])
+        row, column = empty - empty % bins, empty % bins
+        for step in range(1, bins):
+            if empty.size == 0:
+                break
+            source = row + self._borrow[column, step]
+            hit = filled[source]
+            out[empty[hit]] = out[source[hit]]
+            empty, row, column = empty[~hit], row[~hit], column[~hit]
+        return out.reshape(n, bins)
 
 
 def exact_jaccard(pairs: np.ndarray, shingle_set_of, chunk_values: int = 1 << 21) -> np.ndarray:
-    """Exact Jaccard of each pair from the texts' shingle hashes (``shingle_set_of(i)``, repeats allowed).
+    """Exact Jaccard of each pair from the texts' 32-bit shingle hashes (``shingle_set_of(i)``, repeats allowed).
 
     Vectorised over pairs: each text's set is deduplicated once; then, chunk by chunk, the two sets
     of every pair are laid side by side under a ``pair << 32 | value`` key, sorted, and equal
@@ -302,10 +355,16 @@ def exact_jaccard(pairs: np.ndarray, shingle_set_of, chunk_values: int = 1 << 21
         return out
     rows, local = np.unique(pairs, return_inverse=True)
     local = local.reshape(pairs.shape)
-    sets = [np.unique(np.asarray(shingle_set_of(int(row)), dtype=np.uint64)) for row in rows]
-    sizes = np.fromiter(map(len, sets), dtype=np.int64, count=len(sets))
+    # Every row's set, deduplicated in one sort under a ``row << 32 | value`` key (values are 32-bit).
+    raw = [np.asarray(shingle_set_of(int(row)), dtype=np.uint32) for row in rows]
+    raw_sizes = np.fromiter(map(len, raw), dtype=np.int64, count=len(raw))
+    keys = np.repeat(np.arange(len(raw), dtype=np.uint64) << np.uint64(32), raw_sizes)
+    keys |= np.concatenate(raw).astype(np.uint64)
+    keys.sort()  # a plain sort: np.unique hashes first, several times slower here
+    keys = keys[np.concatenate(([True], keys[1:] != keys[:-1]))]
+    sizes = np.bincount((keys >> np.uint64(32)).astype(np.int64), minlength=len(raw))
     starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
-    values = np.concatenate(sets) if sets else np.zeros(0, np.uint64)
+    values = keys & _MASK32
     per_pair = sizes[local[:, 0]] + sizes[local[:, 1]]
     first = 0
     while first < pairs.shape[0]:

@@ -41,7 +41,7 @@ def test_signatures_are_deterministic_and_seeded():
 def test_signature_of_a_text_does_not_depend_on_its_batch():
     corpus = planted_corpus(200, seed=5).docs
     alone = np.stack([MinHasher(batch_bytes=1 << 20).signatures([text])[0] for text in corpus[:20]])
-    batched = MinHasher(batch_bytes=700, chunk_shingles=64).signatures(corpus)[:20]
+    batched = MinHasher(batch_bytes=700).signatures(corpus)[:20]
     np.testing.assert_array_equal(alone, batched)
 
 
