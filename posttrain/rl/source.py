@@ -52,9 +52,9 @@ import torch
 from posttrain import dist
 from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, mismatch_figures, overlong_penalty
 from posttrain.data.records import RLPrompt
+from posttrain.rl.engines import Ready
 from posttrain.rl.offpolicy import decode_rollout, encode_rollout, token_layout
 from posttrain.rl.prompts import PromptSampler
-from posttrain.rl.engines import Ready
 from posttrain.rl.rollout import Rollout, rollout_batch
 from posttrain.train.source import BatchGeometry, StepBatch
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-
-import pytest
 
 from posttrain.cli import main
 
@@ -34,12 +31,16 @@ def test_generate_cli_reports_bad_lines(tmp_path, tiny_model_dir, capsys):
     assert f"{prompts}:2: `prompt`" in capsys.readouterr().err
 
 
-def test_generate_cli_vllm_missing_exits_2(tmp_path, tiny_model_dir, capsys):
-    if importlib.util.find_spec("vllm") is not None:
-        pytest.skip("vllm is installed: this test checks the message given when it is missing")
+def test_generate_cli_vllm_without_an_engine_exits_2(tmp_path, tiny_model_dir, capsys):
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     code = main(["generate", "--model", tiny_model_dir, "--prompts", str(prompts), "-o", str(tmp_path / "o"),
-                 "--backend", "vllm"])
+                 "--backend", "vllm", "--engine-python", str(tmp_path / "no-such-python")])
     assert code == 2
-    assert "posttrain[vllm]" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--engine-python=" in err and "make vllm-env" in err
+    assert main(["generate", "--model", tiny_model_dir, "--prompts", str(prompts), "-o", str(tmp_path / "o"),
+                 "--engine-url", "http://127.0.0.1:9"]) == 2
+    assert "--engine-url is for --backend vllm" in capsys.readouterr().err
+
+

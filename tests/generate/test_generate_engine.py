@@ -142,15 +142,12 @@ def test_get_backend(tiny_model_dir, tiny_tokenizer):
         get_backend("tgi", model_path=tiny_model_dir)
 
 
-def test_vllm_backend_missing_gives_install_hint(tiny_model_dir):
-    pytest.importorskip("torch")
-    try:
-        import vllm  # noqa: F401
-    except ImportError:
-        with pytest.raises(ImportError, match=r"pip install 'posttrain\[vllm\]'.*backend: hf"):
-            get_backend("vllm", model_path=tiny_model_dir)
-    else:
-        pytest.skip("vLLM is installed here; the missing-dependency message cannot be exercised")
+def test_vllm_backend_without_an_engine_python_says_how_to_install_one(tiny_model_dir, tmp_path, monkeypatch):
+    from posttrain.generate.vllm_server import EngineSetupError
+
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", str(tmp_path / "no-such-python"))
+    with pytest.raises(EngineSetupError, match=r"POSTTRAIN_VLLM_PYTHON=.*not an executable Python.*make vllm-env"):
+        get_backend("vllm", model_path=tiny_model_dir)
 
 
 @pytest.mark.parametrize("implicit_bos", [False, True], ids=["template-bos", "tokenizer-bos"])

@@ -58,18 +58,3 @@ def test_seed_keys_replace_positions(backend):
         backend.generate(PROMPTS, params, progress=False, seed_keys=[0, 1])
     with pytest.raises(ValueError, match="distinct"):
         backend.generate(PROMPTS[:2], params, progress=False, seed_keys=[5, 5])
-
-
-def test_vllm_logprobs_mode_check_refuses_numbers_of_another_distribution():
-    """Only the mode check (pure logic); the vLLM backend itself is untested here (no GPU, no vLLM)."""
-    from posttrain.generate.vllm_backend import VLLMBackend
-
-    backend = object.__new__(VLLMBackend)  # no engine: _check_logprobs_mode reads logprobs_mode only
-    backend.logprobs_mode = "raw_logprobs"
-    backend._check_logprobs_mode(SamplingParams(temperature=1.0, top_p=0.9, logprobs=True))
-    with pytest.raises(ValueError, match="processed_logprobs"):
-        backend._check_logprobs_mode(SamplingParams(temperature=0.7, logprobs=True))
-    backend.logprobs_mode = "processed_logprobs"
-    backend._check_logprobs_mode(SamplingParams(temperature=0.7, logprobs=True))
-    with pytest.raises(ValueError, match="top_p=1"):
-        backend._check_logprobs_mode(SamplingParams(temperature=0.7, top_k=20, logprobs=True))

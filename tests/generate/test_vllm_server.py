@@ -266,8 +266,64 @@ def test_a_reply_cut_short_is_the_engine_down_not_a_crash():
             self.request.recv(65536)
             self.request.sendall(b"garbage\r\n\r\n")
 
-    for handler, message in ((CutShort, "cut short"), (NoStatusLine, "")):
+    for handler, message in ((CutShort, "cut short .IncompleteRead"), (NoStatusLine, "cut short .BadStatusLine")):
         with socketserver.TCPServer(("127.0.0.1", 0), handler) as server:
             threading.Thread(target=server.handle_request, daemon=True).start()
             with pytest.raises(EngineDown, match=message):
                 request_json(f"http://127.0.0.1:{server.server_address[1]}/v1/completions", {"prompt": "Hi"}, timeout=10)
+
+
+def test_generate_and_eval_sample_on_an_engine_they_start_and_stop(tiny_model_dir, fake_python, tmp_path, monkeypatch,
+                                                                   capsys):
+    """``posttrain generate`` / ``eval --backend vllm``: an engine started for the command (its pid gone after),
+    seeded requests (same seed, same samples), results in the usual files; ``--engine-url`` reuses a running one."""
+    import json
+
+    from posttrain.cli import main
+    from tests.eval.test_eval_cli import SUITE_ROWS
+
+    starts = tmp_path / "starts.txt"
+    monkeypatch.setenv("FAKE_VLLM_STARTS", str(starts))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hi\nSort 3, 1, 2\n")
+    vllm = ["--backend", "vllm", "--engine-python", fake_python, "--max-new-tokens", "6", "--quiet"]
+    outputs = []
+    for name in ("a", "b"):
+        out = tmp_path / f"{name}.jsonl"
+        assert main(["generate", "--model", tiny_model_dir, "--prompts", str(prompts), "-o", str(out), "--n", "2",
+                     *vllm]) == 0
+        outputs.append([json.loads(line) for line in out.read_text().splitlines()])
+    assert [row["id"] for row in outputs[0]] == ["1", "2"]
+    assert all(c["num_tokens"] == 6 and c["finish_reason"] == "length" for row in outputs[0] for c in row["completions"])
+    assert outputs[0] == outputs[1]  # seeded: the same samples from a fresh engine
+    pids = [int(line) for line in starts.read_text().splitlines()]
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+    assert "starting a vLLM engine" in capsys.readouterr().err
+
+    suite = tmp_path / "suite.jsonl"
+    suite.write_text("".join(json.dumps(row) + "\n" for row in SUITE_ROWS[:4]))
+    server = _server(tiny_model_dir, fake_python, tmp_path).start()
+    try:
+        result = tmp_path / "eval.json"
+        assert main(["eval", "--model", tiny_model_dir, "--suite", str(suite), "-o", str(result), "--n-boot", "50",
+                     "--backend", "vllm", "--engine-url", server.url, "--max-new-tokens", "4", "--quiet"]) == 0
+        scored = json.loads(result.read_text())
+        assert scored["counts"]["items"] == 4 and all(row["output"] is not None for row in scored["items"])
+        assert server.process is not None and server.process.poll() is None  # a server we did not start stays up
+    finally:
+        server.stop()
+    assert len(starts.read_text().splitlines()) == 3
+
+    # posttrain sample with policy.backend=vllm: the engine Python from the environment, stopped at the end
+    monkeypatch.setenv("POSTTRAIN_VLLM_PYTHON", fake_python)
+    asks = tmp_path / "asks.jsonl"
+    asks.write_text("".join(json.dumps({"prompt": row["prompt"], "answer": row["answer"], "verifier": "numeric"}) + "\n"
+                            for row in SUITE_ROWS[:3]))
+    out = tmp_path / "sampled"
+    assert main(["sample", "--config", "sample", f"data.input={asks}", f"policy.path={tiny_model_dir}",
+                 "policy.backend=vllm", f"output_dir={out}", "scorer.kind=verifier", "sampling.max_new_tokens=4",
+                 "sampling.n=2", "progress=false"]) == 0
+    candidates = [json.loads(line) for line in (out / "candidates.jsonl").read_text().splitlines()]
+    assert len(candidates) == 3 and all(len(c["candidates"]) == 2 and c["scores"] == [0.0, 0.0] for c in candidates)
+    pids = [int(line) for line in starts.read_text().splitlines()]
+    assert len(pids) == 4 and all(_gone(pid) for pid in pids)
