@@ -61,6 +61,7 @@ BAD_INPUT_ERRORS = (
     ("posttrain.tasks.problem", "TaskSpaceExhausted"),
     ("posttrain.generate.vllm_server", "EngineSetupError"),
     ("posttrain.models.lora", "LoraSetupError"),
+    ("posttrain.models.moe", "MoeConfigError"),
     ("posttrain.k8s.options", "RenderError"),
     ("posttrain.data.storage", "StorageUnavailable"),
     ("posttrain.telemetry.trackers", "TrackerUnavailable"),

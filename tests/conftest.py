@@ -40,6 +40,24 @@ def tiny_model_dir(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="session")
+def tiny_moe_dir(tmp_path_factory):
+    """``tiny_moe_dir(arch)``: a 2-layer, 64-wide mixture of experts (4 experts, top-2; ``deepseek_v3``: its
+    first layer dense, one shared expert) on the tiny model's vocabulary, built once per session and arch."""
+    from posttrain.models.tiny import build_tiny_model
+
+    built: dict[str, str] = {}
+
+    def build(arch: str = "qwen3_moe") -> str:
+        if arch not in built:
+            path = tmp_path_factory.mktemp(f"tiny-{arch}") / "model"
+            built[arch] = str(build_tiny_model(path, texts=CHAT_TEXTS, vocab_size=400, seed=0, arch=arch, experts=4,
+                                               experts_per_token=2, shared_experts=int(arch == "deepseek_v3")))
+        return built[arch]
+
+    return build
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer(tiny_model_dir):
     from posttrain.models.load import load_tokenizer
 

@@ -1,4 +1,5 @@
-"""``posttrain model tiny DIR``: build a tiny Llama model and tokenizer (no hub needed)."""
+"""``posttrain model tiny DIR``: build a tiny Llama model and tokenizer (no hub needed); ``--arch qwen3_moe`` or
+``deepseek_v3`` a tiny mixture of experts (docs/moe.md)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sub = parser.add_subparsers(dest="model_command", metavar="ACTION", required=True)
     tiny = sub.add_parser(
         "tiny",
-        help="Build a small Llama model with seeded random weights and a BPE tokenizer, in HF format.",
+        help="Build a small Llama model (or, with --arch, a mixture of experts) with seeded random weights and a "
+        "BPE tokenizer, in HF format.",
     )
     tiny.add_argument("output_dir")
     tiny.add_argument("--texts", help="text or JSONL file to train the tokenizer on (default: a built-in sample)")
@@ -21,6 +23,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     tiny.add_argument("--heads", type=int, default=4)
     tiny.add_argument("--kv-heads", type=int, default=2)
     tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--arch", choices=("llama", "qwen3_moe", "deepseek_v3"), default="llama",
+                      help="llama (dense, the default); qwen3_moe or deepseek_v3: a mixture of experts (docs/moe.md)")
+    tiny.add_argument("--experts", type=int, default=8, help="MoE: routed experts per MoE layer (default 8)")
+    tiny.add_argument("--experts-per-token", type=int, default=2, help="MoE: experts each token is routed to (top-K)")
+    tiny.add_argument("--shared-experts", type=int, default=None,
+                      help="MoE: always-on experts per layer (deepseek_v3 only; default 1 there)")
     tiny.set_defaults(func=_tiny)
 
 
@@ -39,6 +47,24 @@ def _tiny(args: argparse.Namespace) -> int:
         num_heads=args.heads,
         num_kv_heads=args.kv_heads,
         seed=args.seed,
+        **_moe_arguments(args),
     )
     print(f"tiny model written to {path}")
     return 0
+
+
+def _moe_arguments(args: argparse.Namespace) -> dict:
+    """The MoE shape for ``build_tiny_model``; MoE flags on a dense model are refused, not ignored."""
+    if args.arch == "llama":
+        given = [flag for flag, value, default in (("--experts", args.experts, 8),
+                                                   ("--experts-per-token", args.experts_per_token, 2),
+                                                   ("--shared-experts", args.shared_experts, None)) if value != default]
+        if given:
+            from posttrain.models.moe import MoeConfigError
+
+            raise MoeConfigError(f"{', '.join(given)} shape(s) a mixture of experts; add --arch qwen3_moe or --arch "
+                                 "deepseek_v3")
+        return {}
+    shared = args.shared_experts if args.shared_experts is not None else (1 if args.arch == "deepseek_v3" else 0)
+    return {"arch": args.arch, "experts": args.experts, "experts_per_token": args.experts_per_token,
+            "shared_experts": shared}

@@ -15,6 +15,7 @@ from posttrain.config.sections import (
     HealthConfig,
     MetricsConfig,
     ModelConfig,
+    ParallelConfig,
     StoreConfig,
     TrainConfig,
 )
@@ -32,6 +33,7 @@ class TrainingRecipe(StrictModel):
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     debug: DebugConfig = Field(default_factory=DebugConfig)
     store: StoreConfig = Field(default_factory=StoreConfig)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
 
 class SFTRecipe(TrainingRecipe):

@@ -163,6 +163,11 @@ class GRPORecipe(TrainingRecipe):
         if self.rollout.engine == "vllm" and lora is not None and lora.quantize != "none":
             raise ValueError("rollout.engine=vllm receives merged full-precision weights; a 4-bit QLoRA base "
                              "(model.lora.quantize=4bit) cannot be merged into them: use rollout.engine=hf")
+        if self.parallel.expert > 1:
+            # each rank decodes its own prompts for its own number of tokens: the experts' all-to-all would hang
+            raise ValueError(f"parallel.expert={self.parallel.expert}: GRPO samples each rank's prompts separately "
+                             "and expert parallelism needs every rank in each forward; set parallel.expert=1 (the "
+                             "experts are then sharded by FSDP)")
         return self
 
 

@@ -35,6 +35,25 @@ class LoraConfig(StrictModel):
         return value
 
 
+class MoeConfig(StrictModel):
+    """``model.moe``: router losses and balance of a mixture-of-experts model (docs/moe.md). Set on a dense
+    model it is an error, never ignored. Expert load is logged for every MoE model, with or without it."""
+
+    aux_loss_weight: float = Field(
+        default=0.0, ge=0.0,
+        description="Weight of the load-balancing loss in the form the architecture defines (qwen3_moe: Switch's "
+        "E·Σ f_i·P_i; deepseek_v3: the sequence-wise Σ f_i·P_i), per sequence, averaged over MoE layers.",
+    )
+    z_loss_weight: float = Field(
+        default=0.0, ge=0.0, description="Weight of the router z-loss (ST-MoE): mean (logsumexp of router logits)²."
+    )
+    bias_update_rate: float = Field(
+        default=0.0, ge=0.0,
+        description="DeepSeek-V3's auxiliary-loss-free balancing: after each update every router's selection bias "
+        "moves by this much towards balance, b_i += rate·sign(mean load - load_i) (routers with a bias only).",
+    )
+
+
 class ModelConfig(StrictModel):
     path: str = Field(description="Local HF-format directory (or a hub id when the network allows).")
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -55,6 +74,10 @@ class ModelConfig(StrictModel):
         description="Liger's Triton kernels (pip install 'posttrain[liger]'; CUDA only): RMSNorm, SwiGLU and RoPE "
         "in the policy (Llama, Mistral, Qwen2, Qwen3), and for SFT/pretrain loss a fused linear cross-entropy "
         "head instead of posttrain's chunked one (docs/liger.md).",
+    )
+    moe: MoeConfig | None = Field(
+        default=None,
+        description="Router losses and balance of a mixture-of-experts model (null: none; docs/moe.md).",
     )
 
 
@@ -334,3 +357,15 @@ class MetricsConfig(StrictModel):
     )
     wandb: WandbConfig | None = Field(default=None, description="Weights & Biases (null: off).")
     mlflow: MlflowConfig | None = Field(default=None, description="MLflow (null: off).")
+
+
+class ParallelConfig(StrictModel):
+    """``parallel``: how a mixture-of-experts model's experts are split over the ranks (docs/moe.md). The dense
+    parts are always sharded with FSDP2 (``train.fsdp``)."""
+
+    expert: int = Field(
+        default=1, ge=1,
+        description="Expert parallelism: each MoE layer's experts sharded over this many ranks (an EP group), "
+        "tokens sent to their experts with all-to-all. Must divide the number of ranks and the experts per layer; "
+        "1: off. A checkpoint resumes at any value (DCP reshards the experts).",
+    )

@@ -1,5 +1,6 @@
-"""Tiny-model factory: a small Llama-architecture model with seeded random weights and a byte-level
-BPE tokenizer trained on given texts, saved in HF format and loadable by plain ``transformers``.
+"""Tiny-model factory: a small Llama-architecture model (or a mixture of experts: ``arch="qwen3_moe"`` or
+``"deepseek_v3"``, ``posttrain.models.moe``) with seeded random weights and a byte-level BPE tokenizer trained on
+given texts, saved in HF format and loadable by plain ``transformers``.
 
 No hub is reachable in tests or in the embedded default, so every model posttrain trains on a laptop
 starts here (or from a checkpoint this factory produced).
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 BOS, EOS, PAD = "<|begin_of_text|>", "<|eot|>", "<|pad|>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>")
@@ -116,8 +117,16 @@ def build_tiny_model(
     model_vocab_size: int | None = None,
     init_device: str | torch.device = "cpu",
     save_dtype: torch.dtype | None = None,
+    arch: str = "llama",
+    experts: int = 8,
+    experts_per_token: int = 2,
+    shared_experts: int = 0,
 ) -> Path:
     """Build, seed and save a tiny Llama model plus tokenizer in HF format; return the directory.
+
+    ``arch`` ``qwen3_moe`` or ``deepseek_v3`` builds a mixture of experts instead: ``experts`` routed experts per
+    MoE layer, ``experts_per_token`` of them chosen per token, ``shared_experts`` always-on ones (DeepSeek-V3
+    only); see ``posttrain.models.moe.tiny_moe_config``.
 
     The same factory builds benchmark-sized Llamas (benchmarks/gpu.py): ``model_vocab_size`` gives the
     embedding and output head more rows than the tokenizer has tokens (Llama-3's 128,256 with a small
@@ -130,24 +139,31 @@ def build_tiny_model(
     tokenizer = train_tokenizer(texts, vocab_size=vocab_size, extra_special_tokens=extra_special_tokens)
     if model_vocab_size is not None and model_vocab_size < len(tokenizer):
         raise ValueError(f"model_vocab_size={model_vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
-    config = tiny_llama_config(
+    shape = dict(
         vocab_size=model_vocab_size or len(tokenizer),
         hidden_size=hidden_size,
         num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=tie_word_embeddings,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    if arch == "llama":
+        config = tiny_llama_config(**shape, intermediate_size=intermediate_size)
+    else:
+        from posttrain.models.moe import tiny_moe_config
+
+        config = tiny_moe_config(arch, **shape, experts=experts, experts_per_token=experts_per_token,
+                                 shared_experts=shared_experts)
     generator_state = torch.random.get_rng_state()
     try:
         torch.manual_seed(seed)
         with torch.device(init_device):
-            model = LlamaForCausalLM(config)
+            # the dense model as it always was (its seeded weights are what earlier runs and tests saw)
+            model = LlamaForCausalLM(config) if arch == "llama" else AutoModelForCausalLM.from_config(config)
     finally:
         torch.random.set_rng_state(generator_state)
     if save_dtype is not None:

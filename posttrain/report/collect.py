@@ -75,6 +75,9 @@ def training_series(run_dir: Path, notes: list[str] | None = None) -> dict[str, 
     tier_keys = sorted({k for r in steps for k in r if k.startswith("tier_")})
     if tier_keys:
         series["tiers"] = {k: [r.get(k, 0) for r in steps] for k in tier_keys}
+    moe = _expert_load(steps)
+    if moe:
+        series["moe"] = moe
     pass_keys = sorted({k for r in steps for k in r if k.startswith("pass@1/tier_")})
     if pass_keys:
         series["pass_by_tier"] = {k.removeprefix("pass@1/"): [r.get(k) for r in steps] for k in pass_keys}
@@ -88,6 +91,24 @@ def training_series(run_dir: Path, notes: list[str] | None = None) -> dict[str, 
     if phases:
         series["eval_phases"] = phases
     return series
+
+
+def _expert_load(steps: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A mixture of experts' load per MoE layer and step (``moe/layer<i>/…``, ``posttrain.train.router``): the
+    busiest expert's tokens over the mean (1 = perfectly balanced) and the load's normalised entropy."""
+    layers = sorted({int(k.split("/")[1].removeprefix("layer")) for r in steps for k in r
+                     if k.startswith("moe/layer") and k.endswith("/load_max")})
+    if not layers:
+        return None
+
+    def ratio(row: dict[str, Any], layer: int) -> float | None:
+        top, mean = row.get(f"moe/layer{layer}/load_max"), row.get(f"moe/layer{layer}/load_mean")
+        return top / mean if isinstance(top, int | float) and isinstance(mean, int | float) and mean > 0 else None
+
+    return {"layers": layers,
+            "max_over_mean": [[ratio(r, layer) for r in steps] for layer in layers],
+            "entropy": [[r.get(f"moe/layer{layer}/load_entropy") for r in steps] for layer in layers],
+            "aux_loss": _column(steps, "moe/aux_loss"), "z_loss": _column(steps, "moe/z_loss")}
 
 
 def training_run(run_dir: Path) -> dict[str, Any]:

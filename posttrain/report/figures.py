@@ -122,6 +122,23 @@ def rl_figure(series: dict[str, Any], label: str):
     return fig
 
 
+def expert_load_figure(series: dict[str, Any], label: str):
+    """A mixture of experts' balance as a heat map, MoE layer × step: the busiest expert's tokens over the mean
+    (1 is perfect balance; K·E/K = E would be every token on one expert), with the entropy on hover."""
+    import plotly.graph_objects as go
+
+    moe = series["moe"]
+    names = [f"layer {layer}" for layer in moe["layers"]]
+    entropy = [[f"{e:.3f}" if isinstance(e, int | float) else "n/a" for e in row] for row in moe["entropy"]]
+    fig = go.Figure(go.Heatmap(z=moe["max_over_mean"], x=series["step"], y=names, customdata=entropy,
+                               colorscale="YlOrRd", zmin=1.0, colorbar={"title": "max / mean"},
+                               hovertemplate="%{y}, step %{x}<br>max/mean %{z:.2f}<br>entropy %{customdata}"
+                                             "<extra></extra>"))
+    fig.update_layout(title=f"{label}: expert load per MoE layer (busiest expert's tokens / mean)",
+                      xaxis_title=f"{label} step", yaxis={"autorange": "reversed"})
+    return fig
+
+
 def training_figures(series: dict[str, Any] | None, label: str, prefix: str) -> list[tuple[str, Any]]:
     """The figures a run's logged series support, each named ``<prefix>-<chart>`` (unique on the page)."""
     if not series or not series.get("step"):
@@ -133,6 +150,8 @@ def training_figures(series: dict[str, Any] | None, label: str, prefix: str) -> 
         figures.append((f"{prefix}-preference", preference_figure(series, label)))
     if series.get("reward"):
         figures.append((f"{prefix}-rl", rl_figure(series, label)))
+    if series.get("moe"):
+        figures.append((f"{prefix}-expert-load", expert_load_figure(series, label)))
     return figures
 
 

@@ -33,6 +33,10 @@ RECORD_GAUGES: dict[str, tuple[str, str, float]] = {
                     "(source.next_step: data loading, or rollouts in RL).", 1.0),
     "peak_memory_mb": ("posttrain_peak_memory_bytes", "Peak memory of rank 0 (GPU allocated, or RSS on CPU).",
                        2.0**20),
+    "moe/aux_loss": ("posttrain_moe_aux_loss", "Mixture of experts: the load-balancing loss per token, unweighted, "
+                     "last logged step (model.moe.aux_loss_weight > 0).", 1.0),
+    "moe/z_loss": ("posttrain_moe_z_loss", "Mixture of experts: the router z-loss per token, unweighted, last "
+                   "logged step (model.moe.z_loss_weight > 0).", 1.0),
 }
 
 
@@ -68,6 +72,12 @@ class PrometheusExporter:
         self.registry = registry = CollectorRegistry(auto_describe=True)
         self.record_gauges = {key: (Gauge(name, doc, registry=registry), factor)
                               for key, (name, doc, factor) in RECORD_GAUGES.items()}
+        self.expert_load = Gauge("posttrain_moe_expert_load_ratio", "Mixture of experts: the busiest expert's "
+                                 "tokens over the mean, by MoE layer, last logged step (1 = balanced).",
+                                 ["layer"], registry=registry)
+        self.expert_entropy = Gauge("posttrain_moe_expert_load_entropy", "Mixture of experts: normalised entropy of "
+                                    "the tokens per expert, by MoE layer, last logged step (1 = balanced).",
+                                    ["layer"], registry=registry)
         self.eval_value = Gauge("posttrain_eval_value", "Last held-out evaluation figure, by name (eval/<metric>).",
                                 ["metric"], registry=registry)
         self.step = Gauge("posttrain_step", "Optimizer steps done (the next step to run).", registry=registry)
@@ -129,6 +139,12 @@ class PrometheusExporter:
                 gauge.set(value * factor)
             elif key.startswith("eval/"):
                 self.eval_value.labels(metric=key.removeprefix("eval/")).set(value)
+            elif key.startswith("moe/layer"):  # moe/layer<i>/load_max|load_mean|load_entropy (posttrain.train.router)
+                layer, name = key.removeprefix("moe/layer").split("/", 1)
+                if name == "load_entropy":
+                    self.expert_entropy.labels(layer=layer).set(value)
+                elif name == "load_max" and record.get(f"moe/layer{layer}/load_mean"):
+                    self.expert_load.labels(layer=layer).set(value / record[f"moe/layer{layer}/load_mean"])
 
     def step_finished(self, next_step: int, losses_and_norms: list[tuple[float, float, bool]]) -> None:
         """A step ended: ``(loss, grad_norm, applied)`` of each of its updates (none for a step skipped by

@@ -54,7 +54,8 @@ from posttrain.train.checkpoint import CheckpointInfo, identity_hash, latest_val
 
 FINISHED = "finished.json"
 # Keys that say where a run lives, how it reports or whether to resume it, not what it trains.
-NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store"},
+# ``parallel`` (expert parallelism) is how the weights are split over the ranks: DCP reshards between degrees.
+NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store", "parallel"},
                 # compile, activation offload and the attention kernel change how a step runs, not what it
                 # computes: a run may resume with them toggled, or on other hardware (and checkpoints from
                 # before the keys existed still resume)

@@ -3,7 +3,9 @@
 One optimizer step, top to bottom:
 1. ask the source for the step's work (``source.next_step(step, model)``; see ``posttrain.train.source``):
    this rank's micro-batches and the step's *global* normaliser;
-2. for each micro-batch: forward, loss ÷ the global normaliser, backward (metrics stay on the device);
+2. for each micro-batch: forward, loss ÷ the global normaliser (plus, for a mixture of experts, the weighted
+   router losses ÷ the update's global token count: ``posttrain.train.router``), backward (metrics stay on
+   the device);
    then, once per step, the source's ``before_update`` hook (the weights are still the step's starting ones);
 3. clip the gradient norm, read loss, grad norm and metrics to the host in one copy (the update's only
    host sync: the health guard needs them), ask the guard, step the optimizer (or skip the update);
@@ -47,6 +49,7 @@ from posttrain.train.health import Alerts, HealthGuard
 from posttrain.train.metrics import MetricsSink, RunSummary, cut_logs, mfu, peak_flops, peak_memory_mb
 from posttrain.train.offload import ActivationOffload
 from posttrain.train.precision import autocast
+from posttrain.train.router import Routing
 from posttrain.train.schedule import lr_multiplier
 from posttrain.train.source import BatchSizeError, LossFn, StepBatch, StepSource
 from posttrain.train.watchdog import Watchdog, hang_forever
@@ -93,6 +96,7 @@ class LoopSettings:
     store: RunStore | None = None  # a remote run store gets each checkpoint uploaded (posttrain.store)
     attempt: str = ""  # this start's id, the same on every rank
     upload: str = "background"  # store.upload: background | blocking
+    routing: Routing | None = None  # an MoE policy's router hooks: router losses, balance, expert load (model.moe)
     summary: RunSummary = field(default_factory=RunSummary)
 
 
@@ -132,51 +136,70 @@ class UpdateResult:
     reason: str
     rollback: bool
     offloaded_tensors: int = 0  # saved tensors this rank's forwards sent to host memory (train.activation_offload)
+    router_stats: list[float] = field(default_factory=list)  # an MoE policy's routing over all ranks (Routing.take)
 
 
 def _update(model, params, optimizer, loss_fn: LossFn, micro_batches: list[Any], normalizer: float, step: int,
-            settings: LoopSettings, before_step: Callable[[], None] | None = None) -> UpdateResult:
+            settings: LoopSettings, before_step: Callable[[], None] | None = None, tokens: float = 0.0) -> UpdateResult:
     """Forward/backward over one update's micro-batches, ``before_step`` (the source's, see ``StepBatch``),
-    health check, optimizer step (or skip)."""
+    health check, optimizer step (or skip). ``tokens``: the update's tokens over all ranks, what an MoE
+    policy's router losses are divided by."""
     world = dist.world_size()
     device = dist.device()
     loss_total = torch.zeros((), dtype=torch.float64, device=device)
     metric_totals: dict[str, torch.Tensor] = {}
+    routing = settings.routing
+    router_totals: torch.Tensor | None = None
+    if routing is not None and routing.has_loss and tokens <= 0:
+        raise ValueError("model.moe router losses are divided by the update's token count, and this step source "
+                         "reports none (StepBatch.tokens)")
+    capture = routing.capture if routing is not None else contextlib.nullcontext
     # Only around the forward: backward unpacks through the hooks recorded when each tensor was saved.
     offload = ActivationOffload() if settings.activation_offload else contextlib.nullcontext()
     for batch in micro_batches:
-        with autocast(settings.precision, settings.sharded), offload:
+        with autocast(settings.precision, settings.sharded), offload, capture():
             loss_sum, metrics = loss_fn(model, batch)
         loss = loss_sum / normalizer
         if step in settings.nan_steps:
             loss = loss * float("nan")  # fault injection drill (debug.nan_steps)
         if step in settings.spike_steps:
             loss = loss * settings.spike_factor  # fault injection drill (debug.spike_steps)
-        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
-        (loss * world).backward()
         # Accumulated on the device and read once per update: no host sync per micro-batch.
         loss_total += loss.detach().to(torch.float64)
+        if routing is not None:
+            # The task loss alone is logged and guarded (comparable with a dense run's); the router losses
+            # join it in the backward, and their unweighted values are logged as moe/… fields.
+            router_loss, stats = routing.take(device)
+            router_totals = stats if router_totals is None else router_totals + stats
+            if router_loss is not None:
+                loss = loss + router_loss / tokens
+        # FSDP averages gradients over ranks; the loss is already a global mean, so undo the average.
+        (loss * world).backward()
         for key, value in metrics.items():
             value = torch.as_tensor(value, dtype=torch.float64, device=device).detach()
             metric_totals[key] = metric_totals[key] + value if key in metric_totals else value
     if before_step is not None:
         before_step()
     grad_norm = _grad_norm(params, settings.max_grad_norm)
-    packed = dist.all_reduce_sum(torch.stack([loss_total, *metric_totals.values()]))
+    routed = [router_totals] if router_totals is not None else []
+    packed = dist.all_reduce_sum(torch.cat([torch.stack([loss_total, *metric_totals.values()]), *routed]))
     # The update's one host sync, whatever the number of micro-batches: the health guard decides on the
     # host whether to step, so it needs the loss and grad norm now; the metrics come along in the same copy.
     # (grad_norm is already global: clip_grad_norm_ reduces it over the ranks.)
     *values, grad_value = torch.cat([packed, grad_norm.detach().to(packed).reshape(1)]).tolist()
+    values, router_stats = values[:1 + len(metric_totals)], values[1 + len(metric_totals):]
     loss_value = values[0]
     verdict = settings.health.check(loss_value, grad_value)
     if verdict.ok:
         optimizer.step()
+        if routing is not None:
+            routing.balance_step(router_stats)  # DeepSeek-V3's bias update, from this update's global load
     else:
         settings.alerts.emit("skipped_update", step=step, reason=verdict.reason, loss=loss_value, grad_norm=grad_value,
                              message=f"step {step}: update skipped by the health guard: {verdict.reason}")
     optimizer.zero_grad(set_to_none=True)
     return UpdateResult(loss_value, grad_value, dict(zip(metric_totals, values[1:], strict=True)), verdict.ok,
-                        verdict.reason, verdict.rollback, getattr(offload, "offloaded", 0))
+                        verdict.reason, verdict.rollback, getattr(offload, "offloaded", 0), router_stats)
 
 
 class _Run:
@@ -322,6 +345,8 @@ def _log_record(step: int, batch: StepBatch, updates: list[UpdateResult], lr: fl
         record["updates"] = len(updates)
     if settings.activation_offload:
         record["offloaded_tensors"] = sum(u.offloaded_tensors for u in updates)
+    if settings.routing is not None:
+        record.update(settings.routing.log_fields([sum(s) for s in zip(*(u.router_stats for u in updates), strict=True)]))
     return record
 
 
@@ -392,7 +417,7 @@ def _train(model: torch.nn.Module, source: StepSource, loss_fn: LossFn, settings
                 data_wait = time.perf_counter() - waited
                 groups = batch.groups()
                 updates = [_update(model, params, optimizer, loss_fn, micro, norm, step, settings,
-                                   batch.before_update if index == 0 else None)
+                                   batch.before_update if index == 0 else None, batch.tokens / len(groups))
                            for index, (micro, norm) in enumerate(groups)]
                 accepted = any(u.ok for u in updates)
                 run.optimizer_steps += sum(u.ok for u in updates)

@@ -46,18 +46,23 @@ def train_flops_per_token(model: torch.nn.Module) -> float:
 
     Per trainable weight value 6 (forward 2, input gradient 2, weight gradient 2: Kaplan et al. 2020's 6N);
     per frozen one 4, because its weight gradient is never computed: LoRA's and QLoRA's base, where 6N would
-    overstate MFU by about 1.5x. No attention term, and recomputation is not counted (MFU, not HFU)."""
+    overstate MFU by about 1.5x. No attention term, and recomputation is not counted (MFU, not HFU).
+    A mixture of experts counts the experts a token is routed to: K/E of each stacked-experts weight
+    (``posttrain.models.moe.active_share``; active, not total, parameters)."""
     from posttrain.models.lora import held_values
+    from posttrain.models.moe import active_share
 
     embedding = model.get_input_embeddings().weight
-    trainable = frozen = 0
+    shares = active_share(model)
+    trainable = frozen = 0.0
     for param in model.parameters():
         if param is embedding:
             continue
+        values = held_values(param) * shares.get(id(param), 1.0)
         if param.requires_grad:
-            trainable += held_values(param)
+            trainable += values
         else:
-            frozen += held_values(param)
+            frozen += values
     return 6.0 * trainable + 4.0 * frozen
 
 

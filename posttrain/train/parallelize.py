@@ -1,10 +1,16 @@
-"""The one function that applies MLP recompute, activation checkpointing, torch.compile and FSDP2, in that order.
+"""The one function that applies MLP recompute, expert parallelism, activation checkpointing, torch.compile
+and FSDP2, in that order.
 
 Order matters (as in torchtitan's ``parallelize``): the MLP recompute patches each block's MLP
-forward in place; checkpoint wrappers go on the decoder blocks next; ``train.compile`` compiles each
-(wrapped) block, so the recomputation is compiled with it; then ``fully_shard`` wraps each
-(wrapped) block and finally the root, so each block's parameters are gathered just in time and freed
-after use — ZeRO-3 for parameters, gradients and optimizer state.
+forward in place; expert parallelism (``parallel.expert``, ``posttrain.train.expert_parallel``) keeps
+each rank's share of every MoE layer's experts and gives the experts their all-to-all forward;
+checkpoint wrappers go on the decoder blocks next; ``train.compile`` compiles each (wrapped) block, so
+the recomputation is compiled with it; then ``fully_shard`` wraps each MoE layer's experts (over the
+replicas of their EP shard), each (wrapped) block and finally the root, so each block's parameters are
+gathered just in time and freed after use — ZeRO-3 for parameters, gradients and optimizer state. With
+``parallel.expert > 1`` every parameter lives on one 2-D mesh ``(efsdp, ep)``; the dense parts are sharded
+over ``ep`` and replicated over ``efsdp`` (plain FSDP when the world is one EP group; see
+``posttrain.train.expert_parallel`` for why).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully
 
 from posttrain import dist
 from posttrain.models.blocks import decoder_layers, recompute_gated_mlp
+from posttrain.train.expert_parallel import check_expert_degree, expert_mesh, shard_experts
 from posttrain.train.offload import accelerator_available
 
 
@@ -59,8 +66,10 @@ def parallelize(
     ac_every: int,
     recompute_mlp: bool = False,
     compile: bool = False,
+    expert: int = 1,
 ) -> dict[str, object]:
-    """Apply MLP recompute, AC, torch.compile (``compile``), then FSDP2 to ``root`` (whose submodule ``lm`` holds the blocks), in place.
+    """Apply MLP recompute, EP (``expert`` ranks per MoE layer's experts), AC, torch.compile (``compile``), then
+    FSDP2 to ``root`` (whose submodule ``lm`` holds the blocks), in place.
 
     Returns a summary of what was applied. Without FSDP (one process), bf16 runs under autocast
     (``posttrain.train.precision``).
@@ -69,7 +78,13 @@ def parallelize(
     sharded = uses_fsdp(fsdp)
     if world > 1 and not sharded:
         raise ValueError("train.fsdp=off with several ranks: posttrain shards with FSDP2 across ranks; use auto/on")
+    experts = check_expert_degree(lm, expert, world)
+    if expert > 1 and not sharded:
+        raise ValueError(f"parallel.expert={expert} needs FSDP across {expert} or more ranks: launch with torchrun "
+                         f"--nproc_per_node {expert} (train.fsdp auto/on)")
+    mesh = expert_mesh(world, expert, dist.device().type) if expert > 1 else None
     recomputed = recompute_gated_mlp(lm) if recompute_mlp else 0
+    ep_layers = shard_experts(experts, mesh) if mesh is not None else 0
     layers = decoder_layers(lm)
     checkpointed = apply_activation_checkpointing(layers, activation_checkpointing, ac_every)
     compiled = compile_blocks(layers) if compile else 0
@@ -82,10 +97,19 @@ def parallelize(
         if cpu_offload:
             # pin_memory() needs an accelerator: on a CPU-only machine it raises from inside FSDP.
             kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=accelerator_available())
+        if mesh is not None:
+            for module in experts:  # over the replicas of this EP shard; gradients divided like the dense ones
+                sharded_experts = fully_shard(module, mesh=mesh["efsdp"], **kwargs)
+                sharded_experts.set_gradient_divide_factor(float(world))
+                if mesh["efsdp"].size() > 1 and not torch.cuda.is_available():
+                    # gloo has no PREMUL_SUM: reduce with SUM and divide around it (no reduction at all at size 1)
+                    sharded_experts.set_force_sum_reduction_for_comms(True)
+            kwargs["mesh"] = mesh  # HSDP: replicated over efsdp, sharded over ep (one mesh for every DTensor)
         for block in layers:
             fully_shard(block, **kwargs)
         fully_shard(root, **kwargs)
     elif torch.cuda.is_available():
         root.to(dist.device())
     return {"fsdp": sharded, "world_size": world, "checkpointed_blocks": checkpointed,
-            "recomputed_mlps": recomputed, "compiled_blocks": compiled, "blocks": len(layers)}
+            "recomputed_mlps": recomputed, "compiled_blocks": compiled, "blocks": len(layers),
+            "expert_parallel": expert, "ep_layers": ep_layers}

@@ -8,6 +8,10 @@ batch geometry with ``batch_geometry``, the loop's settings with ``loop_settings
 ``model.liger`` (``posttrain.models.liger``: Liger's RMSNorm, SwiGLU and RoPE kernels on the policy only) is
 checked and applied here too, before LoRA.
 
+``model.moe`` is checked against the model's config in ``start_run`` (a dense model with it set is an error
+before any run state is written), and ``loop_settings`` gives the loop the policy's router hooks
+(``posttrain.train.router``): the router losses of every recipe are added in the loop, not here.
+
 ``model.lora`` is applied here and only here (``build_policy``, through ``posttrain.models.lora``), so every
 recipe that builds its policy this way trains adapters when it is set, and ``export_final`` writes the
 adapter and the merged model.
@@ -60,6 +64,7 @@ from posttrain.train.identity import (
 from posttrain.train.loop import Evaluate, LoopSettings
 from posttrain.train.metrics import train_flops_per_token
 from posttrain.train.parallelize import parallelize, uses_fsdp
+from posttrain.train.router import check_moe_model, routing_for
 from posttrain.train.source import BatchGeometry
 from posttrain.train.watchdog import drill_step
 
@@ -133,6 +138,7 @@ def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], Non
     not changed after ``config.yaml`` is written.
     """
     check_model_path(config.model.path)  # a mistyped path or an unreachable hub id fails here, before any run state
+    check_moe_model(config.model)  # so does model.moe on a model that cannot use it (a dense one)
     dist.init_distributed()
     if config.model.liger:  # so do kernels that cannot run here, on every rank, before any data or weight is read
         check_liger(config.model.path, config.model.trust_remote_code, config.train.recompute_mlp, dist.device())
@@ -246,7 +252,7 @@ def build_policy(
     applied = parallelize(
         root, lm, fsdp=train.fsdp, precision=train.precision, cpu_offload=train.cpu_offload,
         activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
-        recompute_mlp=train.recompute_mlp, compile=train.compile,
+        recompute_mlp=train.recompute_mlp, compile=train.compile, expert=config.parallel.expert,
     )
     say(f"model {config.model.path}: {describe(lora, trainable, total)}; {applied}")
     return root, lm, tokenizer
@@ -303,6 +309,7 @@ def loop_settings(run: Run, lm: torch.nn.Module, evaluate: Evaluate | None = Non
         tensorboard=config.metrics.tensorboard,
         telemetry=config.metrics,
         run_config=public_dump(config),  # secrets stay out of W&B and MLflow
+        routing=routing_for(lm, config.model),  # an MoE policy: router losses, balance, expert load (docs/moe.md)
     )
 
 
