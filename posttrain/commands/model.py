@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 
@@ -35,6 +36,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _tiny(args: argparse.Namespace) -> int:
     from posttrain.models.tiny import DEFAULT_TEXTS, build_tiny_model  # torch + transformers: not for --help
 
+    problem = _shape_problem(args.hidden_size, args.heads, args.kv_heads)
+    if problem:
+        print(f"posttrain model tiny: {problem}", file=sys.stderr)
+        return 2
     texts = DEFAULT_TEXTS
     if args.texts:
         texts = Path(args.texts).read_text(encoding="utf-8").splitlines()
@@ -51,6 +56,19 @@ def _tiny(args: argparse.Namespace) -> int:
     )
     print(f"tiny model written to {path}")
     return 0
+
+
+def _shape_problem(hidden: int, heads: int, kv_heads: int) -> str | None:
+    """What is wrong with an attention shape, said before transformers says it in its own words (or None)."""
+    if min(hidden, heads, kv_heads) < 1:
+        return "--hidden-size, --heads and --kv-heads must be positive"
+    if hidden % heads:
+        fits = [h for h in range(1, hidden + 1) if hidden % h == 0 and h % kv_heads == 0 and h <= 64]
+        return (f"--hidden-size {hidden} does not split into {heads} heads (head size = hidden / heads); "
+                f"heads that fit with --kv-heads {kv_heads}: {', '.join(map(str, fits)) or 'none'}")
+    if heads % kv_heads:
+        return f"--heads {heads} is not a multiple of --kv-heads {kv_heads} (each key/value head serves a group)"
+    return None
 
 
 def _moe_arguments(args: argparse.Namespace) -> dict:

@@ -55,3 +55,11 @@ def test_moe_flags_are_refused_where_they_do_not_apply(tmp_path, capsys):
     assert main(["model", "tiny", str(tmp_path / "c"), "--arch", "qwen3_moe", "--experts", "2",
                  "--experts-per-token", "3"]) == 2
     assert not any((tmp_path / name).exists() for name in "abc")
+
+
+def test_an_attention_shape_that_does_not_split_is_refused_in_posttrain_words(tmp_path, capsys):
+    assert main(["model", "tiny", str(tmp_path / "a"), "--heads", "3"]) == 2
+    assert "--hidden-size 64 does not split into 3 heads" in capsys.readouterr().err
+    assert main(["model", "tiny", str(tmp_path / "b"), "--heads", "4", "--kv-heads", "3"]) == 2
+    assert "--heads 4 is not a multiple of --kv-heads 3" in capsys.readouterr().err
+    assert not any((tmp_path / name).exists() for name in "ab")
