@@ -10,6 +10,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from posttrain.config.env import EnvConfig
 from posttrain.config.loader import StrictModel
 from posttrain.config.recipes import TrainingRecipe
 from posttrain.config.registry import register_recipe
@@ -106,6 +107,9 @@ class RLConfig(StrictModel):
     measure_mismatch: bool = Field(default=True, description="Recompute each rollout's log-probs with the trainer's "
                                    "forward and the sampling weights (no gradient), logging rollout/logprob_abs_diff; "
                                    "needed by is_correction tis and mis.")
+    routing_replay: bool = Field(default=False, description="Mixture-of-experts policies: record the experts each "
+                                 "token was routed to at sampling time and force them in the training forward "
+                                 "(rollout routing replay, R3; docs/moe.md). Needs rollout.engine=hf.")
 
     @model_validator(mode="after")
     def _check(self) -> RLConfig:
@@ -150,6 +154,8 @@ class GRPORecipe(TrainingRecipe):
     rl: RLConfig = Field(default_factory=RLConfig)
     reward: RewardConfig = Field(default_factory=RewardConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    env: EnvConfig | None = Field(default=None, description="Multi-turn episodes with an environment and the "
+                                  "sandboxed Python tool (docs/agentic.md); absent: single-turn GRPO.")
 
     @model_validator(mode="after")
     def _check_lengths(self) -> GRPORecipe:
@@ -163,12 +169,34 @@ class GRPORecipe(TrainingRecipe):
         if self.rollout.engine == "vllm" and lora is not None and lora.quantize != "none":
             raise ValueError("rollout.engine=vllm receives merged full-precision weights; a 4-bit QLoRA base "
                              "(model.lora.quantize=4bit) cannot be merged into them: use rollout.engine=hf")
+        if self.env is not None:
+            self._check_env()
+        if self.rl.routing_replay and self.rollout.engine != "hf":
+            # vLLM 0.32 can return them (--enable-return-routed-experts, CompletionOutput.routed_experts), but
+            # posttrain's vLLM engine does not ask for them yet: refused rather than trained without replay
+            raise ValueError(f"rl.routing_replay records the experts of each sampled token, which only "
+                             f"rollout.engine=hf does in posttrain (got rollout.engine={self.rollout.engine}); set "
+                             "rollout.engine=hf, or rl.routing_replay=false")
+        if self.rl.routing_replay and self.env is not None:
+            raise ValueError("rl.routing_replay with env: multi-turn episodes do not record the routed experts of "
+                             "their turns yet; remove env, or set rl.routing_replay=false")
         if self.parallel.expert > 1:
             # each rank decodes its own prompts for its own number of tokens: the experts' all-to-all would hang
             raise ValueError(f"parallel.expert={self.parallel.expert}: GRPO samples each rank's prompts separately "
                              "and expert parallelism needs every rank in each forward; set parallel.expert=1 (the "
                              "experts are then sharded by FSDP)")
         return self
+
+    def _check_env(self) -> None:
+        if self.rollout.engine != "hf":
+            raise ValueError(f"env: multi-turn episodes are sampled by the in-process HF engine only; "
+                             f"rollout.engine={self.rollout.engine} is not supported with env (set rollout.engine=hf)")
+        if self.data.eval:
+            raise ValueError("env: held-out evaluation of episodes is not implemented (data.eval would be scored "
+                             "single-turn, without the tool); remove data.eval")
+        if self.env.max_turn_tokens > self.rl.max_new_tokens:
+            raise ValueError(f"env.max_turn_tokens={self.env.max_turn_tokens} exceeds the episode's budget "
+                             f"rl.max_new_tokens={self.rl.max_new_tokens}; lower it or raise rl.max_new_tokens")
 
 
 register_recipe(

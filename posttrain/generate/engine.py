@@ -44,6 +44,7 @@ from posttrain.generate.sampling import (
     sample_inverse_cdf,
     token_logprobs,
 )
+from posttrain.models.routing_replay import RoutingRecorder, recording
 from posttrain.progress import progress as progress_bar
 from posttrain.threads import one_thread_for_small_steps
 
@@ -72,7 +73,9 @@ class SamplingParams:
     """What to sample. ``temperature == 0`` means greedy (then ``top_p``/``top_k`` are ignored).
 
     ``logprobs``: also record each generated token's log-prob (``Completion.logprobs``; see the module
-    docstring for exactly which distribution).
+    docstring for exactly which distribution). ``routed_experts``: also record the experts every MoE router
+    chose for every token (``Completion.routed_experts``; ``HFBackend`` only, for rollout routing replay,
+    ``posttrain.models.routing_replay``).
     """
 
     n: int = 1
@@ -83,6 +86,7 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     seed: int = 0
     logprobs: bool = False
+    routed_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -111,13 +115,15 @@ class Completion:
     stop string); ``text`` is their decoding without special tokens, cut before the first stop string.
     ``finish_reason``: "eos" (the model ended its turn), "stop" (a stop string appeared) or "length"
     (``max_new_tokens`` reached). ``logprobs``: one float32 log-prob per entry of ``token_ids`` when
-    ``SamplingParams.logprobs`` was on, else ``None``.
+    ``SamplingParams.logprobs`` was on, else ``None``. ``routed_experts``: with ``SamplingParams.routed_experts``,
+    the int16 array ``[prompt + completion tokens, MoE layers, K]`` of ``posttrain.models.routing_replay``.
     """
 
     text: str
     token_ids: list[int]
     finish_reason: str
     logprobs: list[float] | None = None
+    routed_experts: Any = None
 
 
 @runtime_checkable
@@ -195,11 +201,11 @@ class HFBackend:
         self.model.eval()
         try:
             bar = progress_bar(total=len(rows), desc="generate", unit="seq", disable=not progress)
-            with torch.no_grad(), bar:
+            with torch.no_grad(), bar, recording(self.model, params.routed_experts) as recorder:
                 for start in range(0, len(rows), batch_size):
                     chunk = rows[start : start + batch_size]
                     seeds = [row_seed(params.seed, keys[p], s) for p, s in chunk]
-                    completions = self._generate_batch([encoded[p] for p, _ in chunk], seeds, params)
+                    completions = self._generate_batch([encoded[p] for p, _ in chunk], seeds, params, recorder)
                     for (p, s), completion in zip(chunk, completions, strict=True):
                         results[p][s] = completion
                     bar.update(len(chunk))
@@ -207,6 +213,29 @@ class HFBackend:
             if was_training:
                 self.model.train()
         return results  # type: ignore[return-value]
+
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams,
+                     batch_size: int = 8) -> list[Completion]:
+        """One completion per row of ``prompt_ids`` (token ids, not rendered text), row ``i`` drawing its randomness
+        from the generator seeded ``seeds[i]`` (``params.n`` is ignored). For contexts that already hold sampled
+        tokens (multi-turn rollouts, ``posttrain.rl.multiturn``): re-rendering their text could tokenize it
+        differently."""
+        if batch_size < 1:
+            raise SamplingError(f"batch_size must be >= 1 (got {batch_size})")
+        if len(seeds) != len(prompt_ids) or any(not ids for ids in prompt_ids):
+            raise SamplingError("generate_ids needs one seed per row and non-empty rows")
+        was_training = getattr(self.model, "training", False)
+        self.model.eval()
+        out: list[Completion] = []
+        try:
+            with torch.no_grad():
+                for start in range(0, len(prompt_ids), batch_size):
+                    out += self._generate_batch(prompt_ids[start : start + batch_size],
+                                                seeds[start : start + batch_size], params)
+        finally:
+            if was_training:
+                self.model.train()
+        return out
 
     def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
         kwargs = {self._cache_kwarg: cache, "use_cache": True}
@@ -226,7 +255,8 @@ class HFBackend:
             tokens = sample_inverse_cdf(filter_top_p(filter_top_k(scaled, params.top_k), params.top_p), uniforms)
         return tokens, token_logprobs(scaled, tokens) if params.logprobs else None
 
-    def _generate_batch(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams) -> list[Completion]:
+    def _generate_batch(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams,
+                        recorder: RoutingRecorder | None = None) -> list[Completion]:
         from transformers import DynamicCache
 
         # Rows that share a prompt (the n samples of one prompt sit side by side) share its prefill: each
@@ -247,6 +277,8 @@ class HFBackend:
         ])
         cache = DynamicCache(config=getattr(self.model, "config", None))
         logits = self._forward(input_ids, attention, positions, cache)
+        if recorder is not None:
+            recorder.prefill(attention, source)
         if len(unique_ids) < len(prompt_ids):
             to_rows = torch.tensor(source, device=self.device)
             cache.batch_select_indices(to_rows)
@@ -284,6 +316,8 @@ class HFBackend:
                     active = [active[j] for j in keep]
                 attention = torch.cat([attention, attention.new_ones((len(active), 1))], dim=1)
                 logits = self._forward(tokens[:, None], attention, next_position[:, None], cache)
+                if recorder is not None:
+                    recorder.decode(active)
                 next_position = next_position + 1
 
         completions = []
@@ -291,7 +325,9 @@ class HFBackend:
             text = self._decode([t for t in token_ids if t not in self.eos_ids])
             text, _ = cut_at_stop(text, params.stop)
             completions.append(Completion(text=text, token_ids=token_ids, finish_reason=finish[row] or "length",
-                                          logprobs=logprobs[row] if params.logprobs else None))
+                                          logprobs=logprobs[row] if params.logprobs else None,
+                                          routed_experts=None if recorder is None
+                                          else recorder.result(row, len(token_ids))))
         return completions
 
     def _decode(self, token_ids: list[int]) -> str:

@@ -19,13 +19,15 @@ step source holds the rollouts of the next ``k`` steps at every checkpoint; they
 (JSON, never pickle: ``posttrain.train.checkpoint_safety``). Token ids and log-probs are little-endian
 ``int32`` / ``float64`` arrays in base64 — about 11 characters per id and 11 per log-prob, and exact:
 every float comes back bit for bit, which a bit-identical resume needs. Decoding checks types and
-lengths, since a checkpoint is data from whoever can write the run directory.
+lengths, since a checkpoint is data from whoever can write the run directory. With ``rl.routing_replay`` a
+rollout also carries its routed experts, ``{"shape": [tokens, layers, K], "ids": <int16 base64>}``.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,6 +36,7 @@ import torch
 
 from posttrain import dist
 from posttrain.models.logprobs import loss_positions, model_token_logprobs
+from posttrain.models.routing_replay import UNROUTED, RoutingReplay
 from posttrain.rl.rollout import Rollout, completion_logprobs, full_weights, rollout_batch
 from posttrain.train.precision import autocast
 
@@ -41,11 +44,13 @@ __all__ = ["decode_rollout", "encode_rollout", "token_layout", "trainer_logprobs
 
 
 def trainer_logprobs(root: torch.nn.Module, lm: torch.nn.Module, rollouts: Sequence[Rollout], *, pad_id: int,
-                     temperature: float, batch_size: int, chunk_size: int, precision: str, sharded: bool) -> None:
+                     temperature: float, batch_size: int, chunk_size: int, precision: str, sharded: bool,
+                     replay: RoutingReplay | None = None) -> None:
     """Set ``rollout.train_logprobs`` for every rollout: the training forward's float32 log-probs of its
     completion tokens with the current weights, in micro-batches of ``batch_size``. ``lm`` is ``root``'s HF
     model; the forward is the one ``TokenLogprobModel`` runs (same chunk size), called on ``lm`` inside
-    ``full_weights(root)`` so that no FSDP collective runs per micro-batch. Collective under FSDP."""
+    ``full_weights(root)`` so that no FSDP collective runs per micro-batch. Collective under FSDP. ``replay``
+    (``rl.routing_replay``): the forward routes each token to the experts the sampler chose, as training does."""
     was_training = root.training
     root.eval()
 
@@ -61,16 +66,27 @@ def trainer_logprobs(root: torch.nn.Module, lm: torch.nn.Module, rollouts: Seque
                 batch = rollout_batch(chunk, pad_id, temperature)
                 batch.update(loss_positions(batch["labels"]))
                 batch = {key: value.to(device) for key, value in batch.items()}
-                values = completion_logprobs(forward, batch, temperature).float().cpu()
+                routed = replay.forced(batch.get("routed_experts")) if replay is not None else contextlib.nullcontext()
+                with routed:
+                    values = completion_logprobs(forward, batch, temperature).float().cpu()
                 mask = batch["completion_mask"].cpu()
                 for rollout, row, keep in zip(chunk, values, mask, strict=True):
-                    rollout.train_logprobs = row[keep].tolist()
+                    rollout.train_logprobs = _spread(rollout, row[keep].tolist())
     finally:
         root.train(was_training)
 
 
-def trainer_logprobs_fn(config, root: torch.nn.Module, lm: torch.nn.Module,
-                        pad_id: int) -> Callable[[Sequence[Rollout]], None]:
+def _spread(rollout: Rollout, trained: list[float]) -> list[float]:
+    """One value per completion token from the values at its trained positions: an episode's environment tokens
+    (``loss_mask`` 0) get 0.0, as their sampling-time placeholders in ``logprobs`` do."""
+    if rollout.loss_mask is None:
+        return trained
+    values = iter(trained)
+    return [next(values) if keep else 0.0 for keep in rollout.loss_mask]
+
+
+def trainer_logprobs_fn(config, root: torch.nn.Module, lm: torch.nn.Module, pad_id: int,
+                        replay: RoutingReplay | None = None) -> Callable[[Sequence[Rollout]], None]:
     """``trainer_logprobs`` bound to a GRPO recipe's settings (``train.batch_size`` completions per forward)."""
     from posttrain.train.parallelize import uses_fsdp
 
@@ -79,7 +95,7 @@ def trainer_logprobs_fn(config, root: torch.nn.Module, lm: torch.nn.Module,
     def score(rollouts: Sequence[Rollout]) -> None:
         trainer_logprobs(root, lm, rollouts, pad_id=pad_id, temperature=config.rl.temperature,
                          batch_size=train.batch_size, chunk_size=train.loss_chunk_size, precision=train.precision,
-                         sharded=uses_fsdp(train.fsdp))
+                         sharded=uses_fsdp(train.fsdp), replay=replay)
 
     return score
 
@@ -127,6 +143,13 @@ def encode_rollout(rollout: Rollout) -> dict[str, Any]:
     }
     if rollout.train_logprobs is not None:
         out["train_logprobs"] = _pack(rollout.train_logprobs, "<f8")
+    if rollout.routed_experts is not None:  # rl.routing_replay: [tokens, MoE layers, K] int16
+        out["routed_experts"] = {"shape": list(rollout.routed_experts.shape),
+                                 "ids": _pack(rollout.routed_experts.reshape(-1), "<i2")}
+    if rollout.loss_mask is not None:
+        out["loss_mask"] = _pack(rollout.loss_mask, "<u1")
+    if rollout.episode is not None:
+        out["episode"] = dict(rollout.episode)
     return out
 
 
@@ -144,7 +167,37 @@ def decode_rollout(data: Any) -> Rollout:
     train = _unpack(data["train_logprobs"], "<f8", "train_logprobs") if "train_logprobs" in data else None
     if len(logprobs) != len(completion) or (train is not None and len(train) != len(completion)):
         raise ValueError("queued rollout: one log-prob per completion token expected")
+    loss_mask = _unpack(data["loss_mask"], "<u1", "loss_mask") if "loss_mask" in data else None
+    if loss_mask is not None and (len(loss_mask) != len(completion) or any(v > 1 for v in loss_mask)):
+        raise ValueError("queued rollout: loss_mask needs one 0/1 entry per completion token")
+    routed = _routed_experts(data, len(completion)) if "routed_experts" in data else None
+    episode = data.get("episode")
+    if episode is not None and not (isinstance(episode, dict) and all(
+            isinstance(k, str) and (v is None or isinstance(v, (int, float, str))) for k, v in episode.items())):
+        raise ValueError("queued rollout: episode must be an object of numbers and strings")
     return Rollout(prompt_key=data["key"], sample_index=data["sample"],
                    prompt_ids=_unpack(data.get("prompt_ids"), "<i4", "prompt_ids"), completion_ids=completion,
                    logprobs=logprobs, finish_reason=data["finish"], truncated=data["truncated"], text=data["text"],
-                   temperature=float(data["temperature"]), version=data["version"], train_logprobs=train)
+                   temperature=float(data["temperature"]), version=data["version"], train_logprobs=train,
+                   loss_mask=loss_mask, episode=None if episode is None else dict(episode), routed_experts=routed)
+
+
+def _routed_experts(data: dict[str, Any], completion_tokens: int) -> np.ndarray:
+    """``encode_rollout``'s ``routed_experts``: ``int16 [prompt + completion tokens, layers, K]``, ids >= -1."""
+    field = data["routed_experts"]
+    if not isinstance(field, dict) or set(field) != {"shape", "ids"}:
+        raise ValueError("queued rollout: routed_experts must be an object with shape and ids")
+    shape = field["shape"]
+    if not (isinstance(shape, list) and len(shape) == 3
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in shape)):
+        raise ValueError(f"queued rollout: routed_experts shape is {shape!r}, not [tokens, layers, K]")
+    tokens = len(_unpack(data.get("prompt_ids"), "<i4", "prompt_ids")) + completion_tokens
+    if shape[0] != tokens:
+        raise ValueError(f"queued rollout: routed_experts has {shape[0]} rows for {tokens} tokens")
+    _unpack(field["ids"], "<i2", "routed_experts")  # type and length checks only
+    ids = np.frombuffer(base64.b64decode(field["ids"]), dtype="<i2").astype(np.int16)
+    if ids.size != shape[0] * shape[1] * shape[2]:
+        raise ValueError(f"queued rollout: routed_experts holds {ids.size} ids, not {shape[0]}x{shape[1]}x{shape[2]}")
+    if ids.size and int(ids.min()) < UNROUTED:
+        raise ValueError(f"queued rollout: routed_experts has an expert id below {UNROUTED}")
+    return ids.reshape(shape)

@@ -46,7 +46,8 @@ from posttrain.data.chat import Prompt, encode_prompt
 from posttrain.generate.engine import Completion, HFBackend, SamplingParams
 from posttrain.models.logprobs import IGNORE_INDEX, batch_positions, loss_positions
 
-__all__ = ["Rollout", "completion_logprobs", "full_weights", "rollout_batch", "sample_rollouts", "to_rollouts"]
+__all__ = ["Rollout", "completion_logprobs", "full_weights", "rollout_batch", "sample_rollouts", "to_rollouts",
+           "trained_count", "trained_values"]
 
 
 @dataclass
@@ -63,6 +64,8 @@ class Rollout:
     sampled it (the loop step whose starting weights it came from); ``train_logprobs``: the trainer's
     log-probs of ``completion_ids`` recomputed with those weights (``posttrain.rl.offpolicy``), or ``None``.
     ``logprobs`` are the behaviour (sampler's) log-probs; the two differ by the training–inference mismatch.
+    ``routed_experts``: with ``rl.routing_replay``, the experts each token was routed to at sampling time, int16
+    ``[prompt + completion tokens, MoE layers, K]`` (``posttrain.models.routing_replay``); not compared by ``==``.
     """
 
     prompt_key: int
@@ -76,6 +79,12 @@ class Rollout:
     temperature: float
     version: int = 0
     train_logprobs: list[float] | None = None
+    routed_experts: Any = dataclasses.field(default=None, compare=False, repr=False)
+    # Multi-turn episodes (posttrain.rl.multiturn): 1 where completion_ids[i] is the model's (sampled, trained),
+    # 0 where the environment wrote it (a tool's output: no sampled log-prob, no loss). None: every token trained.
+    loss_mask: list[int] | None = None
+    # What the episode did (turns, tool calls, tool errors, seconds, a failure reason); None for one-turn rollouts.
+    episode: dict[str, Any] | None = None
 
 
 def _fsdp_modules(root: torch.nn.Module) -> list[Any]:
@@ -169,7 +178,7 @@ def to_rollouts(tokenizer: Any, prompts: Sequence[Prompt], completions: Sequence
             Rollout(prompt_key=key, sample_index=index, prompt_ids=list(prompt_ids),
                     completion_ids=list(c.token_ids), logprobs=list(c.logprobs or []),
                     finish_reason=c.finish_reason, truncated=c.finish_reason == "length", text=c.text,
-                    temperature=temperature)
+                    temperature=temperature, routed_experts=c.routed_experts)
             for index, c in enumerate(samples)
         ])
     return rollouts
@@ -182,13 +191,16 @@ def rollout_batch(rollouts: Sequence[Rollout], pad_id: int, temperature: float) 
 
     - ``input_ids`` (long): ``prompt_ids + completion_ids``, then ``pad_id``;
     - ``attention_mask`` (long): 1 on real tokens, 0 on padding;
-    - ``labels`` (long): the completion tokens at their own positions, ``IGNORE_INDEX`` on the prompt and
-      on padding (``TokenLogprobModel`` convention: ``labels[:, t]`` is predicted from positions ``< t``);
+    - ``labels`` (long): the completion tokens at their own positions, ``IGNORE_INDEX`` on the prompt, on
+      padding and on an episode's environment tokens (``loss_mask`` 0: tool output is context, never a target)
+      (``TokenLogprobModel`` convention: ``labels[:, t]`` is predicted from positions ``< t``);
     - ``completion_mask`` (bool): ``labels != IGNORE_INDEX``;
     - ``old_logprobs`` (float32): at each completion position ``t``, the sampling-time log-prob of
       ``labels[b, t]``; 0 elsewhere. So ``old_logprobs[completion_mask]`` is in the order of the flat
       ``[N]`` log-probs ``TokenLogprobModel`` returns for these labels;
-    - ``truncated`` (bool, ``[B]``): the completion hit ``max_new_tokens`` (no EOS).
+    - ``truncated`` (bool, ``[B]``): the completion hit ``max_new_tokens`` (no EOS);
+    - ``routed_experts`` (int16, ``[B, L, layers, K]``), only when the rollouts carry them (``rl.routing_replay``):
+      the sampler's experts per token, ``UNROUTED`` on padding (``posttrain.models.routing_replay``).
 
     ``temperature`` is the one the training forward will use; a rollout sampled at another temperature
     raises, since its old log-probs would be of another distribution.
@@ -207,16 +219,24 @@ def rollout_batch(rollouts: Sequence[Rollout], pad_id: int, temperature: float) 
                 f"rollout (prompt {rollout.prompt_key}, sample {rollout.sample_index}) needs a non-empty prompt, a "
                 "non-empty completion and one log-prob per completion token"
             )
+        if rollout.loss_mask is not None and (len(rollout.loss_mask) != len(rollout.completion_ids)
+                                              or not any(rollout.loss_mask)):
+            raise ValueError(
+                f"rollout (prompt {rollout.prompt_key}, sample {rollout.sample_index}) needs one loss_mask entry per "
+                "completion token and at least one trained (model) token"
+            )
     width = max(len(r.prompt_ids) + len(r.completion_ids) for r in rollouts)
     input_ids, labels, attention, old = [], [], [], []
     for r in rollouts:
         length, pad = len(r.prompt_ids) + len(r.completion_ids), width - len(r.prompt_ids) - len(r.completion_ids)
         input_ids.append(r.prompt_ids + r.completion_ids + [pad_id] * pad)
-        labels.append([IGNORE_INDEX] * len(r.prompt_ids) + r.completion_ids + [IGNORE_INDEX] * pad)
+        trained = (r.completion_ids if r.loss_mask is None
+                   else [t if keep else IGNORE_INDEX for t, keep in zip(r.completion_ids, r.loss_mask, strict=True)])
+        labels.append([IGNORE_INDEX] * len(r.prompt_ids) + trained + [IGNORE_INDEX] * pad)
         attention.append([1] * length + [0] * pad)
         old.append([0.0] * len(r.prompt_ids) + r.logprobs + [0.0] * pad)
     labels_tensor = torch.tensor(labels, dtype=torch.long)
-    return {
+    batch = {
         "input_ids": torch.tensor(input_ids, dtype=torch.long),
         "attention_mask": torch.tensor(attention, dtype=torch.long),
         "labels": labels_tensor,
@@ -224,6 +244,35 @@ def rollout_batch(rollouts: Sequence[Rollout], pad_id: int, temperature: float) 
         "old_logprobs": torch.tensor(old, dtype=torch.float32),
         "truncated": torch.tensor([r.truncated for r in rollouts], dtype=torch.bool),
     }
+    routed = [r.routed_experts for r in rollouts]
+    if any(array is not None for array in routed):
+        batch["routed_experts"] = _routed_layout(rollouts, width)
+    return batch
+
+
+def _routed_layout(rollouts: Sequence[Rollout], width: int) -> torch.Tensor:
+    """``rollout_batch``'s ``routed_experts``: every rollout must carry them, one row per token."""
+    from posttrain.models.routing_replay import routing_layout
+
+    for r in rollouts:
+        tokens = len(r.prompt_ids) + len(r.completion_ids)
+        if r.routed_experts is None or r.routed_experts.shape[0] != tokens:
+            raise ValueError(f"rollout (prompt {r.prompt_key}, sample {r.sample_index}) has "
+                             f"{'no' if r.routed_experts is None else r.routed_experts.shape[0]} routed-expert rows "
+                             f"for {tokens} tokens: a batch replays the routing of all its rollouts or of none")
+    return routing_layout([r.routed_experts for r in rollouts], width)
+
+
+def trained_count(rollout: Rollout) -> int:
+    """How many of ``rollout``'s completion tokens the loss sees: all of them, or the model's own in an episode."""
+    return len(rollout.completion_ids) if rollout.loss_mask is None else sum(map(bool, rollout.loss_mask))
+
+
+def trained_values(rollout: Rollout, values: Sequence[float]) -> list[float]:
+    """``values`` (one per completion token) at the trained positions only (``loss_mask``)."""
+    if rollout.loss_mask is None:
+        return list(values)
+    return [value for value, keep in zip(values, rollout.loss_mask, strict=True) if keep]
 
 
 def completion_logprobs(

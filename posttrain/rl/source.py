@@ -53,9 +53,10 @@ from posttrain import dist
 from posttrain.algorithms.rl import ADVANTAGES, AGGREGATIONS, mismatch_figures, overlong_penalty
 from posttrain.data.records import RLPrompt
 from posttrain.rl.engines import Ready
+from posttrain.rl.multiturn import episode_metrics, episode_reward
 from posttrain.rl.offpolicy import decode_rollout, encode_rollout, token_layout
 from posttrain.rl.prompts import PromptSampler
-from posttrain.rl.rollout import Rollout, rollout_batch
+from posttrain.rl.rollout import Rollout, rollout_batch, trained_count, trained_values
 from posttrain.train.source import BatchGeometry, StepBatch
 
 
@@ -235,7 +236,10 @@ class GRPOSource:
             for rollout in group:
                 reward = scored.rewards[at] - overlong_penalty(len(rollout.completion_ids), self.rl.max_new_tokens,
                                                                self.rl.overlong_buffer, self.rl.overlong_penalty)
-                samples.append(Sample(rollout, float(reward), scored.passed[at]))
+                passed = scored.passed[at]
+                if rollout.episode is not None:  # multi-turn: the environment's shaping; 0 for a failed episode
+                    reward, passed = episode_reward(rollout, reward, passed, self.counters)
+                samples.append(Sample(rollout, float(reward), passed))
                 at += 1
             groups.append(Group(position, index, samples))
         if self.trainer_logprobs is not None:
@@ -321,6 +325,7 @@ class GRPOSource:
                 if passed:
                     record[f"pass@1/tier_{tier}"] = sum(passed) / len(passed)
         record["kept_groups_with_signal"] = sum(g.has_signal for g in kept)
+        record.update(episode_metrics([s.rollout for s in samples]))  # multi-turn only: turns, tool calls, …
         return record
 
     def _advantages(self, kept: list[Group]) -> torch.Tensor:
@@ -366,7 +371,8 @@ class GRPOSource:
                   "rollout/staleness_max": step - min(versions), "rollout/staleness_min": step - max(versions)}
         trained = [s.rollout for s in samples if s.rollout.train_logprobs is not None]  # zero-signal groups: not scored
         if trained:
-            record.update(mismatch_figures([r.train_logprobs for r in trained], [r.logprobs for r in trained]))
+            record.update(mismatch_figures([trained_values(r, r.train_logprobs) for r in trained],
+                                           [trained_values(r, r.logprobs) for r in trained]))
         return record
 
     def next_step(self, step: int, model: torch.nn.Module) -> StepBatch:  # noqa: ARG002 - rollouts hold the model
@@ -384,7 +390,7 @@ class GRPOSource:
         normalizers = []
         for u in range(updates):
             part = range(u * per_update, (u + 1) * per_update)
-            loss_tokens = sum(len(sequences[i][0].completion_ids) for i in part if counted[i])
+            loss_tokens = sum(trained_count(sequences[i][0].rollout) for i in part if counted[i])
             sequences_counted = sum(counted[i] for i in part)
             # Every completion of the update masked (all truncated under rl.mask_truncated): its loss is 0;
             # divide by 1 rather than refuse the step.
@@ -399,7 +405,7 @@ class GRPOSource:
         self._log.update({key: value for key, value in self.counters.items()})
         self._log["sampler_skipped"] = self.sampler.skipped
         total_tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s, _ in sequences)
-        loss_tokens = sum(len(s.completion_ids) for (s, _), c in zip(sequences, counted, strict=True) if c)
+        loss_tokens = sum(trained_count(s.rollout) for (s, _), c in zip(sequences, counted, strict=True) if c)
         self._throughput()
         self._sampled_at = time.perf_counter()
         return StepBatch(micro_batches=micro_batches, normalizer=normalizers, updates=updates, tokens=total_tokens,
@@ -429,7 +435,7 @@ class GRPOSource:
         self._log["trained_completions"] = sum(len(t) for t in trained_parts)
         batches = []
         for u, trained in enumerate(trained_parts):
-            trained_tokens = sum(len(sequences[i][0].completion_ids) for i in trained if counted[i])
+            trained_tokens = sum(trained_count(sequences[i][0].rollout) for i in trained if counted[i])
             for a in range(micro_per_update):
                 start = (a * world + rank) * size
                 chosen = trained[start : start + size]
@@ -466,6 +472,8 @@ class GRPOSource:
             train = [r.logprobs if r.train_logprobs is None else r.train_logprobs for r in rollouts]
             batch["old_logprobs"] = token_layout(rollouts, train, batch["labels"].shape[1])
             keys = (*keys, "behaviour_logprobs")
+        if "routed_experts" in batch:  # rl.routing_replay: the sampler's experts, [B, L, layers, K]
+            keys = (*keys, "routed_experts")
         return {key: batch[key].to(device) for key in keys}
 
     # ------------------------------------------------------------------ state

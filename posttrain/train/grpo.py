@@ -23,6 +23,8 @@ from posttrain.data.io import read_records
 from posttrain.data.records import RLPrompt
 from posttrain.generate.engine import SamplingParams
 from posttrain.models.logprobs import IGNORE_INDEX, TokenLogprobModel
+from posttrain.models.moe import num_experts, routers
+from posttrain.models.routing_replay import RoutingReplay, check_replayable
 from posttrain.rl.engines import RolloutEngine, RolloutFn, rollout_engine
 from posttrain.rl.offpolicy import trainer_logprobs_fn
 from posttrain.rl.prompts import PromptSampler
@@ -71,13 +73,17 @@ def total_steps(config: GRPORecipe, prompts: int) -> int:
     return max(1, math.floor((train.epochs or 1.0) * prompts / train.global_batch))
 
 
-def grpo_loss(config: GRPORecipe):
+def grpo_loss(config: GRPORecipe, replay: RoutingReplay | None = None):
     """The loss the loop calls per micro-batch: the aggregation's numerator (the loop divides by the
-    update's global denominator, from ``GRPOSource``) and per-token means of the RL statistics."""
+    update's global denominator, from ``GRPOSource``) and per-token means of the RL statistics. ``replay``
+    (``rl.routing_replay``): the forward routes every token to the experts the sampler chose, and
+    ``routing_agreement`` logs the share of (token, MoE layer) pairs whose own top-K was the same."""
     rl = config.rl
     aggregation = AGGREGATIONS.get(rl.aggregation)
 
     def loss(model: torch.nn.Module, batch: dict[str, Any]):
+        if replay is not None:  # stays loaded for the backward's activation-checkpointing recompute
+            replay.load(batch.get("routed_experts"))
         # [B, L] in the layout of the batch's old_logprobs (posttrain.rl.rollout): the ratio is position-wise.
         logprobs, entropy = completion_logprobs(model, batch, rl.temperature, return_entropy=True)
         keep = batch["labels"] != IGNORE_INDEX
@@ -99,6 +105,8 @@ def grpo_loss(config: GRPORecipe):
                    "log_ratio": ((logprobs.detach() - batch["old_logprobs"]) * keep).sum() * scale}
         if "kl_sum" in stats:
             metrics["kl"] = stats["kl_sum"] * scale
+        if replay is not None:
+            metrics["routing_agreement"] = (replay.agreement(keep.shape) * keep).sum() * scale
         if "is_weight_sum" in stats:  # rl.is_correction: the mean weight and the shares it capped or masked
             metrics.update({"is_weight": stats["is_weight_sum"] * scale,
                             "is_truncated_share": stats["is_truncated_tokens"] * scale,
@@ -179,6 +187,7 @@ class GRPOParts:
     source: GRPOSource
     eval_prompts: list[RLPrompt]
     engine: RolloutEngine | None = None  # rollout.engine; run_grpo closes it
+    replay: RoutingReplay | None = None  # rl.routing_replay: the policy's router hooks
 
 
 def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
@@ -195,27 +204,54 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
         competence_steps=config.data.competence_steps or max(1, steps // 2),
         pass_rate_low=rl.pass_rate_low, pass_rate_high=rl.pass_rate_high, min_tries=rl.pass_rate_min_tries,
     )
+    replay = routing_replay(config, lm) if rl.routing_replay else None
     params = SamplingParams(n=rl.group_size, temperature=rl.temperature, max_new_tokens=rl.max_new_tokens,
-                            logprobs=True)
+                            logprobs=True, routed_experts=rl.routing_replay)
 
     # rollout.engine (hf | vllm) is chosen here and nowhere else; the source and the loop see only Rollouts.
     engine = rollout_engine(config, root, lm, tokenizer)
     rollouts = RolloutFn(engine, params)
+    if config.env is not None:  # multi-turn episodes with the sandboxed tool (posttrain.rl.multiturn; HF engine)
+        from posttrain.rl.multiturn import EpisodeRollouts
+
+        rollouts = EpisodeRollouts(root, lm, tokenizer, config.env, params, rl.rollout_batch_size,
+                                   config.train.max_length)
+        say(f"episodes: environment {config.env.name}, {config.env.tool_format} tool calls, at most "
+            f"{config.env.max_turns} turns of {config.env.max_turn_tokens} tokens, {rl.max_new_tokens} tokens in all")
     eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,
                                     config.data.eval) if config.data.eval else [])
     reference = load_reference(config, root) if rl.kl_beta > 0 else None
     source = GRPOSource(config, prompts, sampler, rollouts, rewards, steps, tokenizer.pad_token_id, reference,
-                        trainer_logprobs=trainer_logprobs_fn(config, root, lm, tokenizer.pad_token_id)
+                        trainer_logprobs=trainer_logprobs_fn(config, root, lm, tokenizer.pad_token_id, replay)
                         if rl.measure_mismatch else None)
     say(f"{len(prompts)} prompts; {steps} steps of {source.prompts_per_step} prompts × {rl.group_size} completions "
         f"({source.geometry.world} rank(s) × {source.geometry.grad_accum} micro-batch(es) of "
         f"{source.geometry.micro_batch}); {rl.advantage} advantages, {rl.policy_loss} loss, {rl.aggregation}, "
         f"β={rl.kl_beta}")
-    return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine)
+    return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine, replay)
+
+
+def check_routing_replay(config: GRPORecipe) -> None:
+    """``rl.routing_replay`` against ``model.path``'s config (no weights), before any run state is written: a dense
+    model, or an MoE architecture without a replay gate, is ``MoeConfigError``."""
+    if not config.rl.routing_replay:
+        return
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(config.model.path, trust_remote_code=config.model.trust_remote_code)
+    check_replayable(hf.model_type, num_experts(hf), config.model.path)
+
+
+def routing_replay(config: GRPORecipe, lm: torch.nn.Module) -> RoutingReplay:
+    """Replay hooks on the loaded policy's routers (docs/moe.md, "RL: routing replay")."""
+    check_replayable(lm.config.model_type, num_experts(lm.config), config.model.path)
+    say(f"routing replay: the experts chosen at sampling time are forced in the training forward "
+        f"({len(routers(lm))} MoE layers)")
+    return RoutingReplay(lm, lm.config.model_type)
 
 
 def run_grpo(config: GRPORecipe) -> int:
-    run = start_run(config)
+    run = start_run(config, check_data=check_routing_replay)
     try:
         if run.finished:
             return 0
@@ -229,7 +265,7 @@ def run_grpo(config: GRPORecipe) -> int:
                 settings.evaluate = reward_evaluator(parts.eval_prompts, parts.root, parts.lm, parts.tokenizer, greedy,
                                                      rewards, rl.rollout_batch_size)
             try:
-                code = train(parts.root, parts.source, grpo_loss(config), settings)
+                code = train(parts.root, parts.source, grpo_loss(config, parts.replay), settings)
             finally:
                 if parts.engine is not None:  # a vLLM engine posttrain started stops here, before the export
                     parts.engine.close()
