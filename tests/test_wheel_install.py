@@ -72,7 +72,8 @@ def test_the_installed_copy_is_the_one_imported(installed, elsewhere):
     module_file, recipes_dir, names = json.loads(proc.stdout)
     venv = str(installed.parent)
     assert module_file.startswith(venv) and recipes_dir.startswith(venv), (module_file, venv)
-    assert {"quickstart", "sft_tiny", "dpo_tiny", "curate", "sample", "pretrain_tiny"} <= set(names)
+    assert {"quickstart", "sft_tiny", "dpo_tiny", "curate", "sample", "pretrain_tiny", "grpo_tools_tiny",
+            "real/qwen3_0.6b_sft", "real/qwen3_0.6b_grpo_gsm8k", "real/llama3.2_1b_sft"} <= set(names)
 
 
 def test_help_validate_and_recipes_from_another_directory(installed, elsewhere):
