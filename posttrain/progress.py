@@ -38,6 +38,15 @@ def mode() -> str:
     return "bar" if sys.stderr.isatty() else "lines"
 
 
+def quiet_hf_progress() -> None:
+    """Outside a terminal, turn off transformers' own bars ("Writing model shards", "Loading weights"): they
+    would print carriage returns into a log."""
+    if mode() != "bar":
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+
+
 def _duration(seconds: float) -> str:
     seconds = int(round(seconds))
     if seconds < 60:

@@ -79,3 +79,17 @@ def test_off_prints_nothing_and_still_iterates(monkeypatch, capsys):
     with progress(total=3, desc="quick", unit="step") as bar:
         bar.update(3)
     assert capsys.readouterr().err == ""
+
+
+def test_loading_a_model_draws_no_transformers_bar_in_a_log(tiny_model_dir):
+    """The first model load of a run in a log (sft, dpo, grpo) drew transformers' carriage-return
+    "Loading weights" bar; posttrain's loader turns transformers' bars off outside a terminal."""
+    import os
+    import subprocess
+    import sys
+
+    code = f"from posttrain.models.load import load_model; load_model({tiny_model_dir!r}); print('loaded')"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "POSTTRAIN_PROGRESS": "lines", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0 and proc.stdout.strip() == "loaded", proc.stderr[-2000:]
+    assert "Loading weights" not in proc.stderr and "\r" not in proc.stderr, proc.stderr[-500:]

@@ -57,6 +57,9 @@ def load_model(
     """``quantization_config`` (a ``BitsAndBytesConfig``, ``posttrain.models.lora``) quantises the weights as
     they load, straight onto ``device``. ``attn_implementation``: ``sdpa``, ``eager`` or ``varlen``
     (``posttrain.models.attention``; resolve ``auto`` first with ``resolve_attn_implementation``)."""
+    from posttrain.progress import quiet_hf_progress
+
+    quiet_hf_progress()  # no carriage-return "Loading weights" bar in a log
     attn_implementation = transformers_name(attn_implementation)
     with model_source(path):
         if quantization_config is not None:

@@ -183,7 +183,8 @@ def export_adapter_and_merged(root: torch.nn.Module, tokenizer, output_dir: Path
     A collective: every rank gathers the trainable weights (adapters, and a reward model's head); rank 0
     loads a fresh full-precision base with ``load_base()``, puts them into it and writes both.
     """
-    from posttrain.train.checkpoint import export_hf, full_model_state_dict, quiet_hf_progress
+    from posttrain.progress import quiet_hf_progress
+    from posttrain.train.checkpoint import export_hf, full_model_state_dict
 
     lm = find_lora(root)
     state = full_model_state_dict(root, trainable_only=True)

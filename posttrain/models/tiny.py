@@ -173,7 +173,7 @@ def build_tiny_model(
     model.generation_config.bos_token_id = tokenizer.bos_token_id
     output_dir.mkdir(parents=True, exist_ok=True)
     # Imported here: building a model needs no training stack.
-    from posttrain.train.checkpoint import quiet_hf_progress
+    from posttrain.progress import quiet_hf_progress
 
     quiet_hf_progress()  # no carriage-return "Writing model shards" bar in a log
     model.save_pretrained(output_dir)

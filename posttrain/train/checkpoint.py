@@ -474,19 +474,10 @@ def full_model_state_dict(model: torch.nn.Module, trainable_only: bool = False) 
     return _only(state, trainable_keys(model)) if trainable_only and state else state
 
 
-def quiet_hf_progress() -> None:
-    """Outside a terminal, turn off transformers' own bars ("Writing model shards", "Loading weights"): they
-    would print carriage returns into a log."""
-    from transformers.utils import logging as hf_logging
-
-    from posttrain.progress import mode
-
-    if mode() != "bar":
-        hf_logging.disable_progress_bar()
-
-
 def export_hf(lm: torch.nn.Module, state_dict: dict[str, torch.Tensor], tokenizer, directory: Path) -> Path:
     """Write an HF-format model (safetensors + config + tokenizer) from a full state dict (rank 0 only)."""
+    from posttrain.progress import quiet_hf_progress
+
     quiet_hf_progress()
     directory.mkdir(parents=True, exist_ok=True)
     lm.save_pretrained(directory, state_dict=state_dict, safe_serialization=True)

@@ -34,7 +34,7 @@ from posttrain.config.preference import RewardModelRecipe
 from posttrain.data.errors import DataError
 from posttrain.models.attention import attention_for, transformers_name
 from posttrain.models.load import DTYPES, load_tokenizer, model_source
-from posttrain.train.checkpoint import quiet_hf_progress
+from posttrain.progress import quiet_hf_progress
 from posttrain.train.dpo import write_eval
 from posttrain.train.evaluation import sharded_sums
 from posttrain.train.loop import train
