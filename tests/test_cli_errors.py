@@ -240,6 +240,14 @@ def test_rl_prompts_without_a_verifier_under_a_verifier_reward_are_one_line_exit
     assert "reward.terms" in line and "posttrain data tasks rl" in line  # the two fixes
 
 
+def test_updates_per_rollout_that_do_not_split_the_step_are_one_line_exit_2(tiny_model_dir, tmp_path, capsys):
+    data = write_lines(tmp_path / "prompts.jsonl", RL_PROMPTS)
+    # 2 prompts × 2 completions in micro-batches of 2: 2 micro-batches per step, not 3 updates' worth
+    assert main(grpo(tiny_model_dir, tmp_path, data, "train.batch_size=2", "rl.updates_per_rollout=3")) == 2
+    line = one_line_error(capsys)
+    assert "do not split into rl.updates_per_rollout=3 updates" in line and "train.batch_size" in line
+
+
 @pytest.mark.parametrize("command", [["validate", "--config", "sft_tiny"], ["recipes", "list"], ["--help"]])
 def test_a_closed_stdout_pipe_is_exit_0_without_a_traceback(command):
     # `posttrain validate … | head`: the reader leaves before the output is written.

@@ -57,7 +57,7 @@ from posttrain.rl.multiturn import episode_metrics, episode_reward
 from posttrain.rl.offpolicy import decode_rollout, encode_rollout, token_layout
 from posttrain.rl.prompts import PromptSampler
 from posttrain.rl.rollout import Rollout, rollout_batch, trained_count, trained_values
-from posttrain.train.source import BatchGeometry, StepBatch
+from posttrain.train.source import BatchGeometry, BatchSizeError, StepBatch
 
 
 @dataclass
@@ -168,7 +168,7 @@ class GRPOSource:
         self.prompts_per_step = config.train.global_batch
         self.geometry = BatchGeometry.derive(self.prompts_per_step * group, config.train.batch_size, dist.world_size())
         if self.geometry.grad_accum % self.rl.updates_per_rollout:
-            raise ValueError(
+            raise BatchSizeError(
                 f"each rank's {self.geometry.grad_accum} micro-batch(es) per step do not split into "
                 f"rl.updates_per_rollout={self.rl.updates_per_rollout} updates; lower train.batch_size or change "
                 "rl.updates_per_rollout")
