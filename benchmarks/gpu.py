@@ -43,6 +43,12 @@ Figures per row, over the timed steps (after ``warmup`` untimed ones):
   for posttrain's ``selective`` (every 2nd block checkpointed; both bounds given) nor for activation
   offload (the no-offload estimate is given).
 
+After the training rows, while the budget lasts, **script rows** run other benchmarks' GPU modes in their own
+process and keep their one JSON line (``script_rows``): the MoE experts' grouped GEMM against the per-expert
+loop at DeepSeek-V3's expert shape (``benchmarks/moe.py --grouped-gemm``, issue 27) and vLLM against HF
+rollout tokens/s with weight-sync seconds on the ~1B Llama (``benchmarks/rollout_engines.py --models 1b``,
+issue 26; it needs a Python with GPU vLLM — ``$POSTTRAIN_VLLM_PYTHON`` — and says so when there is none).
+
 ``--smoke`` runs the same rows on CPU with tiny models (hidden 64, 2 layers, seq 256, 1 timed step)
 to prove the script end to end; its peak is measured but flagged ``"device": "cpu"`` and is no claim.
 """
@@ -168,6 +174,39 @@ def smoke_rows() -> list[Row]:
         _row("act-smoke-offload", "sft", "smoke", ac="none", activation_offload=True, **one),
         _row("sft-smoke-cpu-offload", "sft", "smoke", cpu_offload=True, ac="none", **one),
     ]
+
+
+def script_rows(smoke: bool) -> list[Row]:
+    """Other benchmarks' GPU modes (module docstring); ``estimate_s`` is what the budget must still hold. On
+    ``--smoke`` only the grouped-GEMM row, which prints its ``skipped`` line at once without CUDA."""
+    rows = [{"name": "moe-grouped-gemm", "kind": "script", "estimate_s": 60.0,
+             "command": ["benchmarks/moe.py", "--grouped-gemm"]}]
+    if not smoke:
+        rows.append({"name": "rollout-1b", "kind": "script", "estimate_s": 300.0,
+                     "command": ["benchmarks/rollout_engines.py", "--models", "1b", "--prompts", "64", "--n", "8",
+                                 "--max-new-tokens", "256", "--repeats", "2"]})
+    return rows
+
+
+def run_script(row: Row, timeout_s: float, smoke: bool) -> dict:
+    """A script row in its own process: its last stdout line as JSON, or why there is none."""
+    start = time.perf_counter()
+    try:
+        proc = subprocess.run([sys.executable, *row["command"]], cwd=ROOT, env=child_env(smoke), capture_output=True,
+                              text=True, timeout=max(timeout_s, 1))
+    except subprocess.TimeoutExpired:
+        return {"name": row["name"], "status": "timeout", "wall_s": round(time.perf_counter() - start, 1)}
+    wall = round(time.perf_counter() - start, 1)
+    lines = proc.stdout.strip().splitlines()
+    try:
+        result = json.loads(lines[-1]) if proc.returncode == 0 and lines else None
+    except json.JSONDecodeError:
+        result = None
+    if result is None:
+        return {"name": row["name"], "status": "failed", "exit_code": proc.returncode, "wall_s": wall,
+                "log_tail": (proc.stderr or proc.stdout)[-600:]}
+    status = "skipped" if result.get("skipped") or result.get("status") == "skipped" else "ok"
+    return {"name": row["name"], "status": status, "wall_s": wall, "result": result}
 
 
 def geometry(smoke: bool) -> dict:
@@ -308,15 +347,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     started = time.perf_counter()
     rows = smoke_rows() if args.smoke else gpu_rows()
+    scripts = script_rows(args.smoke)
     if args.rows:
         wanted = args.rows.split(",")
-        unknown = sorted(set(wanted) - {r["name"] for r in rows})
+        unknown = sorted(set(wanted) - {r["name"] for r in rows + scripts})
         if unknown:
-            raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(r['name'] for r in rows)}")
+            raise SystemExit(f"--rows: unknown {unknown}; rows: {', '.join(r['name'] for r in rows + scripts)}")
         rows = [r for r in rows if r["name"] in wanted]
+        scripts = [r for r in scripts if r["name"] in wanted]
     geo = geometry(args.smoke)
     steps = geo["warmup"] + geo["steps"]
-    most_units = max(r["global_batch"] for r in rows) * (steps + 1)
+    most_units = max((r["global_batch"] for r in rows), default=1) * (steps + 1)
     per_row = geo["seq"] // 400 + 2  # chats per packed row, with room
     inputs = build_inputs(work, args.smoke, {r["size"] for r in rows}, geo, pairs=most_units, chats=most_units * per_row)
     peak = run_child({"name": "peak", "kind": "peak", "size": args.peak_size or (256 if args.smoke else 8192),
@@ -353,6 +394,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[gpu] {row['name']}: {result.get('status')} {result.get('tokens_per_s', '')} tok/s "
               f"mfu {result.get('mfu', '')} peak {result.get('peak_memory_gib', '')} GiB ({result['wall_s']}s)",
               file=sys.stderr, flush=True)
+        out.write_text(json.dumps(report, indent=1))
+    for row in scripts:
+        left = args.budget_s - (time.perf_counter() - started)
+        if row["estimate_s"] > left:
+            report["skipped"].append({"name": row["name"], "reason": f"budget: {left:.0f}s left, row needs ~{row['estimate_s']:.0f}s"})
+            continue
+        result = run_script(row, left, args.smoke)
+        report["rows"].append(result)
+        print(f"[gpu] {row['name']}: {result['status']} ({result['wall_s']}s)", file=sys.stderr, flush=True)
         out.write_text(json.dumps(report, indent=1))
     add_comparisons(report)
     report["total_s"] = round(time.perf_counter() - started, 1)

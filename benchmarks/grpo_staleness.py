@@ -127,6 +127,8 @@ class Variant:
                 "median_recompute_s": med([r["time/recompute_s"] for r in self.logs if "time/recompute_s" in r]),
                 "median_rollout_wait_s": med([r["time/rollout_wait_s"] for r in self.logs
                                               if "time/rollout_wait_s" in r]),
+                "median_reward_s": med([r["time/reward_s"] for r in self.logs if "time/reward_s" in r]),
+                "median_sync_s": med([r["rollout/sync_s"] for r in self.logs if "rollout/sync_s" in r]),
                 "steps_timed": len(self.wall),
                 "mean_generated_tokens": round(statistics.fmean(r["generated_tokens"] for r in self.logs), 1),
                 "max_staleness_seen": max(r["rollout/staleness_max"] for r in self.logs),

@@ -55,8 +55,17 @@ class RolloutConfig(StrictModel):
     request_timeout_s: float = Field(
         default=600.0, gt=0, description="How long one sampling or weight-reload request may take.")
     sync_dir: str | None = Field(
-        default=None, description="Where the weights are written for the engine to reload (deleted after each "
-        "reload); default a directory in /dev/shm when it has room, else output_dir/tmp.")
+        default=None, description="sync_method=file: where the weights are written for the engine to reload "
+        "(deleted after each reload); default a directory in /dev/shm when it has room, else output_dir/tmp.")
+    sync_method: Literal["file", "broadcast"] = Field(
+        default="file", description="How the trainer's weights reach the engine: file: a safetensors file (in "
+        "/dev/shm) the engine reloads; broadcast: over a process group of the trainer's main rank and the "
+        "engine's worker (gloo on CPU, NCCL when both are on CUDA), no file; an engine you start yourself "
+        "(rollout.server_url) must run posttrain's worker extension for it (docs/rl.md#weight-sync).")
+    sync_backend: Literal["auto", "gloo", "nccl"] = Field(
+        default="auto", description="sync_method=broadcast: the collective's backend; auto: NCCL when the engine "
+        "runs on CUDA and this process has CUDA, else gloo. NCCL refuses two ranks on one GPU: with the engine on "
+        "the trainer's GPU set gloo. The NCCL path is prepared but not yet run on a GPU.")
 
     @field_validator("server_url")
     @classmethod
@@ -74,12 +83,17 @@ class RolloutConfig(StrictModel):
             extra = [key for key in ("server_url", "engine_python", "sync_dir") if getattr(self, key) is not None]
             if self.engine_args:
                 extra.append("engine_args")
-            if "overlap" in self.model_fields_set:
-                extra.append("overlap")
+            extra += [key for key in ("overlap", "sync_method", "sync_backend") if key in self.model_fields_set]
             if extra:
                 raise ValueError(f"rollout.{extra[0]} is for rollout.engine=vllm; the hf engine samples in this "
                                  "process: set rollout.engine=vllm or drop it")
         if self.server_url is not None and (self.engine_python is not None or self.engine_args):
             raise ValueError("rollout.server_url connects to a server you started yourself: rollout.engine_python "
                              "and rollout.engine_args only apply to a server posttrain starts; drop one or the other")
+        if self.sync_method == "broadcast" and self.sync_dir is not None:
+            raise ValueError("rollout.sync_dir is where sync_method=file writes the weights; sync_method=broadcast "
+                             "writes no file: drop one or the other")
+        if self.sync_method == "file" and "sync_backend" in self.model_fields_set:
+            raise ValueError("rollout.sync_backend is for rollout.sync_method=broadcast; the file method has no "
+                             "collective: set sync_method=broadcast or drop it")
         return self

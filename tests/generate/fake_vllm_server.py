@@ -11,6 +11,14 @@ environment:
 - ``FAKE_VLLM_RELOADS``: a file; each ``reload_weights`` appends the size of the safetensors it found;
 - ``FAKE_VLLM_DELAY_S``: each completion request takes this long (an engine busy sampling);
 - ``FAKE_VLLM_TIMES``: a file; each completion request appends ``start end`` (``time.time()``) when it is answered.
+
+Started with ``--worker-extension-cls`` (``rollout.sync_method: broadcast``), the other ``/collective_rpc``
+methods go to posttrain's real worker extension (``posttrain_vllm_ext``, on the ``PYTHONPATH`` ``VLLMServer``
+sets) mixed into a stand-in worker whose ``reload_weights`` receives every tensor and keeps none; it appends the
+bytes received to ``FAKE_VLLM_RELOADS`` as the file reload does, and ``{name: [dtype, shape, sum]}`` as a JSON
+line to ``FAKE_VLLM_RECEIVED``. ``FAKE_VLLM_DIE_IN_RECEIVE``: the k-th start exits (code 9) in its ``N_k``-th
+receive, after telling the trainer it is receiving and before the first tensor. Without the flag, a method other
+than ``reload_weights`` fails as vLLM's does (HTTP 500, "… has no attribute …").
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ if _nth("FAKE_VLLM_FAIL_START", START, 0) == 1:
     print("fake vllm: failing at start as asked", flush=True)
     sys.exit(3)
 DIE_AFTER = _nth("FAKE_VLLM_DIE_AFTER", START, -1)
+DIE_IN_RECEIVE = _nth("FAKE_VLLM_DIE_IN_RECEIVE", START, -1)
+EXTENSION = _arg("--worker-extension-cls")
+WORKER = []  # the stand-in worker, made at the first extension call (torch loads only then)
 VOCAB = json.loads((Path(_arg("--model")) / "config.json").read_text())["vocab_size"]
 COUNT = {"completions": 0}
 LOCK = threading.Lock()
@@ -59,6 +70,45 @@ def _safetensors_size(directory: str) -> int:
         (header,) = struct.unpack("<Q", handle.read(8))
         json.loads(handle.read(header))  # a valid header, or this raises (HTTP 500)
     return path.stat().st_size
+
+
+def _record_reload(size: int) -> None:
+    if os.environ.get("FAKE_VLLM_RELOADS"):
+        with LOCK, open(os.environ["FAKE_VLLM_RELOADS"], "a") as handle:
+            handle.write(f"{size}\n")
+
+
+def _worker():
+    """The stand-in worker with posttrain's extension mixed in, as vLLM mixes it into its own."""
+    if not WORKER:
+        import importlib
+
+        import torch
+
+        module, _, name = EXTENSION.rpartition(".")
+        extension = getattr(importlib.import_module(module), name)
+
+        class FakeWorker(extension):
+            device = torch.device("cpu")
+            receives = 0
+
+            def reload_weights(self, weights_iterator, is_checkpoint_format=True):
+                FakeWorker.receives += 1
+                if FakeWorker.receives == DIE_IN_RECEIVE:
+                    print("fake vllm: dying in a receive as asked", flush=True)
+                    os._exit(9)
+                seen, size = {}, 0
+                for tensor_name, tensor in weights_iterator:
+                    seen[tensor_name] = [str(tensor.dtype).removeprefix("torch."), list(tensor.shape),
+                                         float(tensor.double().sum())]
+                    size += tensor.numel() * tensor.element_size()
+                _record_reload(size)
+                if os.environ.get("FAKE_VLLM_RECEIVED"):
+                    with LOCK, open(os.environ["FAKE_VLLM_RECEIVED"], "a") as handle:
+                        handle.write(json.dumps(seen) + "\n")
+
+        WORKER.append(FakeWorker())
+    return WORKER[0]
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -92,12 +142,21 @@ class Handler(BaseHTTPRequestHandler):
                 with LOCK, open(os.environ["FAKE_VLLM_TIMES"], "a") as handle:
                     handle.write(f"{started} {time.time()}\n")
             self._reply(200, reply)
-        elif self.path == "/collective_rpc":
+        elif self.path == "/collective_rpc" and body["method"] == "reload_weights":
             size = _safetensors_size(body["kwargs"]["weights_path"])
-            if os.environ.get("FAKE_VLLM_RELOADS"):
-                with open(os.environ["FAKE_VLLM_RELOADS"], "a") as handle:
-                    handle.write(f"{size}\n")
+            _record_reload(size)
             self._reply(200, {"results": [None]})
+        elif self.path == "/collective_rpc":
+            if EXTENSION is None:
+                self._reply(500, {"error": {"message": f"Worker failed with error ''FakeWorker' object has no "
+                                                       f"attribute '{body['method']}''"}})
+                return
+            try:
+                result = getattr(_worker(), body["method"])(*body.get("args", []), **body.get("kwargs", {}))
+            except Exception as exc:  # noqa: BLE001 - as vLLM answers a failed collective_rpc
+                self._reply(500, {"error": {"message": f"{type(exc).__name__}: {exc}"}})
+                return
+            self._reply(200, {"results": [result]})
         elif self.path == "/reset_prefix_cache":
             self._reply(200, {"success": True})
         else:

@@ -66,6 +66,10 @@ def _gone(pid: int) -> bool:
     ({"rollout.engin": "vllm"}, "rollout.engine"),
     ({"rollout.sync_every": 0}, "sync_every"),
     ({"rollout.overlap": "false"}, "rollout.overlap is for rollout.engine=vllm"),
+    ({"rollout.sync_method": "broadcast"}, "rollout.sync_method is for rollout.engine=vllm"),
+    ({"rollout.engine": "vllm", "rollout.sync_method": "nccl"}, "sync_method"),
+    ({"rollout.engine": "vllm", "rollout.sync_method": "broadcast", "rollout.sync_dir": "/tmp/w"}, "writes no file"),
+    ({"rollout.engine": "vllm", "rollout.sync_backend": "nccl"}, "sync_backend is for rollout.sync_method=broadcast"),
 ])
 def test_rollout_config_fails_loudly(extra, message, tmp_path):
     with pytest.raises(ConfigError, match=message):
@@ -204,18 +208,20 @@ def _rollouts(model_dir: str, python: str, tmp_path: Path, **kwargs):
     from posttrain.rl.engines import VLLMRollouts
 
     root, lm, tokenizer = _policy(model_dir)
-    server = _server(model_dir, python, tmp_path).start()
+    server = _server(model_dir, python, tmp_path, weight_extension=kwargs.get("sync_method") == "broadcast").start()
     engine = VLLMRollouts(root, lm, tokenizer, url=server.url, server=server, sync_base=tmp_path / "sync", **kwargs)
     return engine, root
 
 
-def test_engine_syncs_when_the_version_moves_and_restarts_once(tiny_model_dir, fake_python, tmp_path, monkeypatch):
+@pytest.mark.parametrize("sync_method", ["file", "broadcast"])
+def test_engine_syncs_when_the_version_moves_and_restarts_once(tiny_model_dir, fake_python, tmp_path, monkeypatch,
+                                                               sync_method):
     reloads = tmp_path / "reloads.txt"
     monkeypatch.setenv("FAKE_VLLM_RELOADS", str(reloads))
     monkeypatch.setenv("FAKE_VLLM_STARTS", str(tmp_path / "starts.txt"))
     # start 1 dies at its 6th completion request (the warm-up is the 1st), start 2 at its 5th
     monkeypatch.setenv("FAKE_VLLM_DIE_AFTER", "6,5")
-    engine, root = _rollouts(tiny_model_dir, fake_python, tmp_path, sync_every=2)
+    engine, root = _rollouts(tiny_model_dir, fake_python, tmp_path, sync_every=2, sync_method=sync_method)
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
     try:
         out = engine.sample(["Hi", "Sort 3, 1, 2"], params, [0, 1], version=0)
@@ -239,6 +245,113 @@ def test_engine_syncs_when_the_version_moves_and_restarts_once(tiny_model_dir, f
             engine.sample(["Hi"], params, [0], version=2)
     finally:
         engine.close()
+
+
+def test_broadcast_delivers_the_checkpoint_tensors_in_the_engines_dtype(tiny_model_dir, fake_python, tmp_path,
+                                                                         monkeypatch):
+    """What the engine's worker receives is what the file method writes: checkpoint names, the engine's dtype, a
+    tied head once; ``sync_bytes`` counts it. Small buckets: several tensors per bucket, and buckets of one."""
+    import json
+
+    from posttrain.rl.weight_sync import PolicyWeights, engine_tensors
+
+    received = tmp_path / "received.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_RECEIVED", str(received))
+    engine, root = _rollouts(tiny_model_dir, fake_python, tmp_path, sync_method="broadcast", dtype="bfloat16")
+    try:
+        engine.broadcaster.bucket_bytes = 4096
+        for version in (0, 1):
+            engine.sync(version)
+        expected = engine_tensors(PolicyWeights(root, engine.weights.lm).gather()[0], torch.bfloat16)
+        got = [json.loads(line) for line in received.read_text().splitlines()]
+        assert len(got) == 2 and engine.broadcaster.connects == 1 and engine.broadcaster.backend == "gloo"
+        assert list(got[1]) == list(expected)
+        for name, tensor in expected.items():
+            dtype, shape, total = got[1][name]
+            assert (dtype, shape) == ("bfloat16", list(tensor.shape))
+            assert total == pytest.approx(float(tensor.double().sum()), rel=1e-9, abs=1e-9)
+        assert engine.log["rollout/sync_bytes"] == sum(t.numel() * t.element_size() for t in expected.values())
+    finally:
+        engine.close()
+
+
+def test_a_trainer_whose_engine_joined_another_group_sets_up_a_new_one(tiny_model_dir, fake_python, tmp_path):
+    """Two trainers on one engine (rollout.server_url): each sync finds the engine in the other's group and joins
+    its own again, rather than fail or restart it."""
+    from posttrain.rl.engines import VLLMRollouts
+
+    root, lm, tokenizer = _policy(tiny_model_dir)
+    server = _server(tiny_model_dir, fake_python, tmp_path, weight_extension=True).start()
+    first, second = (VLLMRollouts(root, lm, tokenizer, url=server.url, sync_method="broadcast") for _ in range(2))
+    try:
+        first.sync(0)
+        second.sync(0)
+        first.sync(1)
+        assert first.broadcaster.connects == 2 and second.broadcaster.connects == 1 and first.restarts == 0
+    finally:
+        first.close(), second.close()
+        server.stop()
+
+
+def test_an_engine_that_dies_in_a_broadcast_is_restarted_and_regrouped(tiny_model_dir, fake_python, tmp_path,
+                                                                        monkeypatch):
+    reloads = tmp_path / "reloads.txt"
+    monkeypatch.setenv("FAKE_VLLM_RELOADS", str(reloads))
+    monkeypatch.setenv("FAKE_VLLM_STARTS", str(tmp_path / "starts.txt"))
+    monkeypatch.setenv("FAKE_VLLM_DIE_IN_RECEIVE", "2")  # start 1 dies in its 2nd receive, before any tensor
+    engine, _ = _rollouts(tiny_model_dir, fake_python, tmp_path, sync_method="broadcast", timeout_s=60)
+    params = SamplingParams(n=2, temperature=1.0, max_new_tokens=4)
+    try:
+        engine.sample(["Hi"], params, [0], version=0)
+        started = time.monotonic()
+        out = engine.sample(["Hi"], params, [0], version=1)  # dies in the sync: restart, new group, sync, sample
+        assert time.monotonic() - started < 30  # the broadcast to a dead worker fails, it does not wait out a timeout
+        assert [len(g) for g in out] == [2] and engine.restarts == 1 and engine.synced == 1
+        assert engine.broadcaster.connects == 2 and len(reloads.read_text().splitlines()) == 2
+    finally:
+        engine.close()
+
+
+def test_broadcast_to_a_server_without_the_extension_says_how_to_start_it(tiny_model_dir, fake_python, tmp_path):
+    from posttrain.rl.engines import VLLMRollouts
+
+    root, lm, tokenizer = _policy(tiny_model_dir)
+    server = _server(tiny_model_dir, fake_python, tmp_path).start()  # started as a user would, without it
+    engine = VLLMRollouts(root, lm, tokenizer, url=server.url, sync_method="broadcast")  # rollout.server_url
+    try:
+        with pytest.raises(EngineUnavailable, match="worker-extension-cls posttrain_vllm_ext.WeightReceiver"):
+            engine.sample(["Hi"], SamplingParams(n=1, temperature=1.0, max_new_tokens=2), [0], version=0)
+        # a GRPO run finds out at setup (exit 2), before any step
+        from posttrain.rl.engines import rollout_engine
+
+        config = load_config(GRPORecipe, "grpo_tiny", grpo_overrides(
+            tiny_model_dir, "d.jsonl", tmp_path / "run", **{"rollout.engine": "vllm", "rollout.server_url": server.url,
+                                                              "rollout.sync_method": "broadcast"}))
+        with pytest.raises(EngineSetupError, match="python -m posttrain.generate.vllm_worker_ext DIR"):
+            rollout_engine(config, root, lm, tokenizer)
+    finally:
+        engine.close()
+        server.stop()
+
+
+def test_the_worker_extension_is_standalone_and_installs_alone(tmp_path):
+    """The engine's Python has no posttrain: the extension imports only the standard library and torch."""
+    import ast
+    import subprocess
+
+    from posttrain.generate import vllm_worker_ext
+
+    tree = ast.parse(Path(vllm_worker_ext.__file__).read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module}
+    assert imported <= {"__future__", "collections", "datetime", "json", "math", "os", "shutil", "socket", "sys",
+                        "typing", "torch"}
+    done = subprocess.run([sys.executable, "-m", "posttrain.generate.vllm_worker_ext", str(tmp_path / "ext")],
+                          capture_output=True, text=True, check=True)
+    assert "--worker-extension-cls posttrain_vllm_ext.WeightReceiver" in done.stdout
+    assert [p.name for p in (tmp_path / "ext").iterdir()] == ["posttrain_vllm_ext.py"]
 
 
 def test_engine_unavailable_is_exit_75():

@@ -8,8 +8,14 @@ module (starting one takes about a minute here): the tests share it in file orde
   margin is for other CPUs' kernels).
 - A GRPO run with ``rollout.engine=vllm`` (connected to this engine, ``rollout.server_url``) finishes, logs
   rewards and sync figures, and its export loads.
-- The engine killed mid-run is restarted by the rollout engine, which re-syncs the weights (greedy equality
-  holds again after the restart). Restart-then-exit-75 and resume are tests/rl/test_grpo_engine_failures.py's.
+- The same over a collective (``rollout.sync_method: broadcast``, gloo): the module's engine runs posttrain's
+  worker extension, and a second rollout engine on the same server syncs by broadcast; broadcast, file and
+  broadcast syncs in turn each leave the engine serving the trainer's weights; the LoRA GRPO run syncs by
+  broadcast (from its own process, through ``rollout.server_url``).
+- The engine killed mid-run is restarted by the (broadcasting) rollout engine, which sets up a new weight group
+  and re-syncs (greedy equality holds again after the restart). Restart-then-exit-75 and resume are
+  tests/rl/test_grpo_engine_failures.py's; the file method's restart, against a stand-in server,
+  tests/generate/test_vllm_server.py's.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import torch
 
 from posttrain.generate.engine import HFBackend, SamplingParams
 from posttrain.generate.vllm_server import EngineSetupError, VLLMServer, engine_python
+from posttrain.rl.weight_sync import engine_tensors
 from tests.rl.conftest import grpo_overrides
 from tests.train.conftest import ROOT, env, read_jsonl
 
@@ -63,10 +70,21 @@ def engine(model32, tmp_path_factory):
     python = _engine_python()
     logs = tmp_path_factory.mktemp("engine")
     server = VLLMServer(model32, python=python, log_path=logs / "engine.log", max_model_len=256, seed=0,
-                        start_timeout_s=600).start()
+                        start_timeout_s=600, weight_extension=True).start()
     lm = load_model(model32, "float32")
     root = TokenLogprobModel(lm, 64)
     rollouts = VLLMRollouts(root, lm, load_tokenizer(model32), url=server.url, server=server, sync_base=logs / "sync")
+    yield rollouts
+    rollouts.close()
+
+
+@pytest.fixture(scope="module")
+def broadcasting(engine, tmp_path_factory):
+    """A second rollout engine on the same server and policy that syncs by broadcast (gloo)."""
+    from posttrain.rl.engines import VLLMRollouts
+
+    rollouts = VLLMRollouts(engine.root, engine.weights.lm, engine.tokenizer, url=engine.client.url,
+                            server=engine.server, sync_method="broadcast")
     yield rollouts
     rollouts.close()
 
@@ -132,12 +150,38 @@ def test_many_seeded_requests_at_once(engine):
     assert [len(g) for g in groups] == [8] * 16 and engine.restarts == 0
 
 
+def test_broadcast_file_broadcast_syncs_each_serve_the_trainers_weights(engine, broadcasting):
+    from posttrain.rl.rollout import completion_logprobs, rollout_batch
+
+    sizes = {}
+    for seed, rollouts in enumerate([broadcasting, engine, broadcasting], start=10):
+        _train_a_little(engine.root, seed=seed)
+        stale, trainer = _greedy_pairs(rollouts)
+        assert stale != trainer  # the trainer moved: only this sync brings the engine along
+        rollouts.sync(version=seed)
+        served, trainer = _greedy_pairs(rollouts)
+        assert served == trainer, rollouts.sync_method
+        sizes[rollouts.sync_method] = rollouts.log["rollout/sync_bytes"]
+    assert broadcasting.broadcaster.backend == "gloo" and broadcasting.broadcaster.connects == 1
+    assert 0 < sizes["file"] - sizes["broadcast"] < 64 << 10  # the same tensors; the file adds its header
+    # sampled log-probs after a broadcast sync match the trainer's recomputed ones, as after a file sync
+    _train_a_little(engine.root, seed=13)
+    params = SamplingParams(n=4, temperature=1.0, max_new_tokens=16, seed=3)
+    groups = broadcasting.sample(PROMPTS, params, list(range(len(PROMPTS))), version=14)
+    assert broadcasting.synced == 14 and broadcasting.log["rollout/engine_lag"] == 0
+    batch = rollout_batch([r for group in groups for r in group], engine.tokenizer.pad_token_id, 1.0)
+    with torch.no_grad():
+        recomputed = completion_logprobs(engine.root, batch, 1.0)
+    diff = (recomputed - batch["old_logprobs"])[batch["completion_mask"]].abs()
+    assert diff.max() < LOGPROB_MAX_DIFF and diff.mean() < LOGPROB_MEAN_DIFF, (diff.max(), diff.mean())
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_grpo_with_the_vllm_engine_finishes_and_exports(engine, model32, rl_data, tmp_path, lora):
     out = tmp_path / "run"
     extra = {"train.max_steps": 3, "rollout.engine": "vllm", "rollout.server_url": engine.client.url}
     if lora:  # the engine gets W + scaling·B·A: its log-probs match the trainer's only if the merge is right
-        extra.update({"model.lora": '{"r": 4, "alpha": 8}', "train.lr": 1e-2})
+        extra.update({"model.lora": '{"r": 4, "alpha": 8}', "train.lr": 1e-2, "rollout.sync_method": "broadcast"})
     overrides = grpo_overrides(model32, rl_data, out, **extra)
     done = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "grpo_tiny", *overrides], cwd=ROOT,
                           env=env(), capture_output=True, text=True, timeout=600)
@@ -150,11 +194,16 @@ def test_grpo_with_the_vllm_engine_finishes_and_exports(engine, model32, rl_data
     assert any("rollout/logprob_abs_diff_max" in r for r in steps[1:])  # measured after updates, not only at step 0
     if lora:  # after the first sync only the adapters leave the trainer
         assert steps[-1]["rollout/sync_gathered_bytes"] < steps[0]["rollout/sync_gathered_bytes"] / 4
+    # broadcast (lora) moves exactly the merged model's tensors; a file (full) adds its header
+    merged = engine_tensors(engine.weights.gather()[0], torch.float32)
+    tensors = sum(t.numel() * t.element_size() for t in merged.values())
+    assert all((r["rollout/sync_bytes"] == tensors) == lora for r in steps)
     exported = HFBackend.from_path(out / "final", device="cpu")
     assert exported.generate(["Hi"], GREEDY, progress=False)[0][0].token_ids
 
 
-def test_a_killed_engine_is_restarted_and_resynced(engine):
+def test_a_killed_engine_is_restarted_and_resynced(broadcasting):
+    engine = broadcasting  # syncs by broadcast: after the restart it must set up a new weight group
     _train_a_little(engine.root, seed=4)
     version = _newer(engine)
     engine.sync(version=version)
@@ -164,5 +213,6 @@ def test_a_killed_engine_is_restarted_and_resynced(engine):
     params = SamplingParams(n=2, temperature=1.0, max_new_tokens=8, seed=5)
     groups = engine.sample(PROMPTS[:2], params, [0, 1], version=version)  # restarts the engine, re-syncs, samples
     assert engine.restarts == 1 and [len(g) for g in groups] == [2, 2]
+    assert engine.broadcaster.connects >= 2 and engine.synced == version
     served, trainer = _greedy_pairs(engine)
     assert served == trainer  # the restarted engine serves the trainer's weights, not model.path's
