@@ -38,6 +38,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--expert-parallel", type=int, default=1, metavar="EP",
                         help="MoE: ranks each layer's routed experts are split over (parallel.expert); FSDP shards "
                              "each rank's experts over the other GPUS/EP ranks. Must divide --gpus and the experts")
+    parser.add_argument("--expert-imbalance", type=float, default=1.0, metavar="F",
+                        help="MoE at EP > 1: routed copies the busiest EP rank's experts receive over those its own "
+                             "tokens send (1: balanced routing, the default; docs/plan.md)")
     parser.add_argument("--recipe", choices=("sft", "dpo", "grpo"), default="sft",
                         help="dpo: chosen+rejected double the batch, reference log-probs precomputed; grpo: adds "
                              "the rollout KV cache")
@@ -101,6 +104,8 @@ def _check(args: argparse.Namespace) -> None:
                  "rollout_batch"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             problems.append(f"--{name.replace('_', '-')} must be at least 1")
+    if args.expert_imbalance < 1:
+        problems.append("--expert-imbalance must be at least 1 (1: balanced routing)")
     if not 0 < args.mfu <= 1:
         problems.append("--mfu must be in (0, 1]")
     if not 0 <= args.spot_fraction <= 1:
@@ -185,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers, padded=args.padded, reference=args.reference,
         loss_chunk=args.loss_chunk or None, prompt_len=prompt_len, completion_len=completion_len,
         rollout_batch=8 if args.rollout_batch is None else args.rollout_batch, mfu=args.mfu,
-        expert_parallel=args.expert_parallel,
+        expert_parallel=args.expert_parallel, expert_imbalance=args.expert_imbalance,
         gpu=gpu.name, gpu_memory_gib=gpu.memory_gib, peak_tflops=gpu.peak_tflops, hbm_tbps=gpu.hbm_tbps,
         gpu_overridden=gpu.overridden,
         bandwidth_gbps=args.bandwidth_gbps, store_gbps=args.store_gbps, node_mtbf_hours=args.mtbf_hours,

@@ -181,19 +181,29 @@ class GRPORecipe(TrainingRecipe):
             raise ValueError("rl.routing_replay with env: multi-turn episodes do not record the routed experts of "
                              "their turns yet; remove env, or set rl.routing_replay=false")
         if self.parallel.expert > 1:
-            # each rank decodes its own prompts for its own number of tokens: the experts' all-to-all would hang
-            raise ValueError(f"parallel.expert={self.parallel.expert}: GRPO samples each rank's prompts separately "
-                             "and expert parallelism needs every rank in each forward; set parallel.expert=1 (the "
-                             "experts are then sharded by FSDP)")
+            self._check_expert_parallel()
         return self
+
+    def _check_expert_parallel(self) -> None:
+        # The in-process HF sampler decodes each rank's prompts for its own number of tokens, and so does the
+        # held-out evaluation: with the experts' all-to-all in every forward, the ranks would wait on each other
+        # forever. With rollout.engine=vllm the engine samples; the trainer's forwards run in lockstep.
+        expert = self.parallel.expert
+        if self.rollout.engine == "hf":
+            raise ValueError(f"parallel.expert={expert} with rollout.engine=hf: the in-process sampler decodes each "
+                             "rank's prompts separately and expert parallelism needs every rank in each forward; "
+                             "set rollout.engine=vllm (the engine samples, the trainer's forwards stay in "
+                             "lockstep), or parallel.expert=1 (the experts are then sharded by FSDP)")
+        if self.data.eval is not None:
+            raise ValueError(f"parallel.expert={expert} with data.eval: the held-out evaluation decodes greedily "
+                             "with the HF sampler on each rank, which expert parallelism cannot follow; remove "
+                             "data.eval (evaluate the exported model with `posttrain eval`), or set "
+                             "parallel.expert=1")
 
     def _check_env(self) -> None:
         if self.rollout.engine != "hf":
             raise ValueError(f"env: multi-turn episodes are sampled by the in-process HF engine only; "
                              f"rollout.engine={self.rollout.engine} is not supported with env (set rollout.engine=hf)")
-        if self.data.eval:
-            raise ValueError("env: held-out evaluation of episodes is not implemented (data.eval would be scored "
-                             "single-turn, without the tool); remove data.eval")
         if self.env.max_turn_tokens > self.rl.max_new_tokens:
             raise ValueError(f"env.max_turn_tokens={self.env.max_turn_tokens} exceeds the episode's budget "
                              f"rl.max_new_tokens={self.rl.max_new_tokens}; lower it or raise rl.max_new_tokens")

@@ -53,8 +53,12 @@ experts; everything else is sharded over all N). Per GPU:
 * activations: an MoE layer keeps, per token, k routed copies (input h, gate/up 2i, silu i, product i, output h)
   plus the shared experts and the router's fp32 scores (``moe_mlp_coefficient``). With EP and balanced routing a
   rank processes as many routed copies as its own tokens produce (it receives what it sends), so the same figure
-  holds per GPU; router imbalance (the busiest expert over the mean) multiplies the routed part and is not
-  modelled (a capacity factor would bound it).
+  holds per GPU. Unbalanced routing is the ``imbalance`` input (``--expert-imbalance``, default 1: balanced): the
+  routed copies the busiest EP rank's experts receive over the copies its own tokens send, summed over the MoE
+  layers. It multiplies what the receiving rank keeps (input h, gate/up 2i, silu i, product i); the combined
+  output (h, weighted on the sending rank) stays with the sender. What matters is the rank's E/EP experts
+  together, not the busiest expert: in the measured tiny run (docs/plan.md) the busiest expert took 7-8x the
+  mean, its EP=2 rank 1.2x. At EP = 1 a rank runs all its own copies whatever the routing (the input is ignored).
 """
 
 from __future__ import annotations
@@ -123,27 +127,28 @@ def _attention_coefficient(shape: ModelShape, e: int, layers: str, expanded_kv: 
     return 2 * norm + e * (1 + q + k + v + kept_output * o + 1) + extra
 
 
-def moe_mlp_coefficient(shape: ModelShape, precision: str = "bf16") -> float:
+def moe_mlp_coefficient(shape: ModelShape, precision: str = "bf16", imbalance: float = 1.0) -> float:
     """Bytes per s·b·h an MoE layer's MLP keeps: each of the k routed copies of a token keeps its input (gathered
     or received, h), the gate/up output (2·i), silu(gate) (i), the product (i) and the expert output before the
     routing weight multiplies it (h); the S shared experts keep a SwiGLU's four i-wide tensors; the router keeps
     its fp32 scores (4·E bytes per token). i is moe_intermediate_size. Read from HF's grouped_mm experts
-    (transformers.integrations.moe) and torchtitan's MoE, which keep the same tensors.
+    (transformers.integrations.moe) and torchtitan's MoE, which keep the same tensors. ``imbalance`` (EP only,
+    module docstring) scales what the experts' rank keeps, every routed tensor but the output: k·(1 + f·(1 + 4i/h)).
     """
     e, h, i = ELEMENT_BYTES[precision], shape.hidden_size, shape.moe_intermediate_size
-    routed = shape.experts_per_token * (2 + 4 * i / h)
+    routed = shape.experts_per_token * (1 + imbalance * (1 + 4 * i / h))
     shared = shape.shared_experts * 4 * i / h
     return e * (routed + shared) + 4 * shape.num_experts / h
 
 
 def layer_activation_coefficient(shape: ModelShape, precision: str = "bf16", layers: str = "minimal",
-                                 expanded_kv: bool = False, moe: bool = False) -> float:
+                                 expanded_kv: bool = False, moe: bool = False, imbalance: float = 1.0) -> float:
     """Bytes per s·b·h one block keeps for backward without recompute, s² terms excluded (docstring); ``moe``:
-    an MoE block (``moe_mlp_coefficient``) instead of a dense one."""
+    an MoE block (``moe_mlp_coefficient``, with its routing ``imbalance``) instead of a dense one."""
     if layers not in ("minimal", "hf"):
         raise ValueError(f"layers {layers!r}: expected minimal or hf")
     e = ELEMENT_BYTES[precision]
-    mlp = moe_mlp_coefficient(shape, precision) if moe else e * 4 * shape.intermediate_size / shape.hidden_size
+    mlp = moe_mlp_coefficient(shape, precision, imbalance) if moe else e * 4 * shape.intermediate_size / shape.hidden_size
     return _attention_coefficient(shape, e, layers, expanded_kv) + mlp
 
 
@@ -163,54 +168,55 @@ ACTIVATION_POLICIES: Registry[ActivationPolicy] = Registry("activation checkpoin
 
 
 def _block_bytes(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool, layers: str,
-                 expanded_kv: bool, moe: bool) -> float:
+                 expanded_kv: bool, moe: bool, imbalance: float = 1.0) -> float:
     """One block's activations without recompute: c·s·b·h (+ 5·a·s²·b unless flash)."""
     sbh = seq * batch * shape.hidden_size
-    kept = layer_activation_coefficient(shape, precision, layers, expanded_kv, moe) * sbh
+    kept = layer_activation_coefficient(shape, precision, layers, expanded_kv, moe, imbalance) * sbh
     return kept if flash else kept + attention_matrix_bytes(shape, seq, batch, precision)
 
 
 def _working_set(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool, layers: str,
-                 expanded_kv: bool) -> float:
+                 expanded_kv: bool, imbalance: float = 1.0) -> float:
     """The largest block's activations, held while that block is recomputed in backward."""
-    return max(_block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe)
+    return max(_block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe, imbalance)
                for _, moe in _layer_kinds(shape))
 
 
 @ACTIVATION_POLICIES.register("none")
 def activations_no_recompute(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
-                             layers: str = "minimal", expanded_kv: bool = False) -> float:
+                             layers: str = "minimal", expanded_kv: bool = False, imbalance: float = 1.0) -> float:
     """All layers keep everything: Σ over layers of (c·s·b·h + [5·a·s²·b unless flash]); c of MoE layers differs."""
-    return sum(count * _block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe)
+    return sum(count * _block_bytes(shape, seq, batch, precision, flash, layers, expanded_kv, moe, imbalance)
                for count, moe in _layer_kinds(shape))
 
 
 @ACTIVATION_POLICIES.register("selective")
 def activations_selective(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
-                          layers: str = "minimal", expanded_kv: bool = False) -> float:
+                          layers: str = "minimal", expanded_kv: bool = False, imbalance: float = 1.0) -> float:
     """Korthikanti's selective recompute: the attention core is recomputed, Σ c·s·b·h (= none with flash)."""
-    return activations_no_recompute(shape, seq, batch, precision, True, layers, expanded_kv)
+    return activations_no_recompute(shape, seq, batch, precision, True, layers, expanded_kv, imbalance)
 
 
 @ACTIVATION_POLICIES.register("full")
 def activations_full(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
-                     layers: str = "minimal", expanded_kv: bool = False) -> float:
+                     layers: str = "minimal", expanded_kv: bool = False, imbalance: float = 1.0) -> float:
     """Full recompute: L block inputs e·s·b·h plus the largest block's working set during its backward."""
     e = ELEMENT_BYTES[precision]
     inputs = shape.num_layers * e * seq * batch * shape.hidden_size
-    return inputs + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv)
+    return inputs + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv, imbalance)
 
 
 @ACTIVATION_POLICIES.register("op")
 def activations_per_op(shape: ModelShape, seq: int, batch: int, precision: str, flash: bool,
-                       layers: str = "minimal", expanded_kv: bool = False) -> float:
+                       layers: str = "minimal", expanded_kv: bool = False, imbalance: float = 1.0) -> float:
     """torchtitan's per-op selective AC (``selective_ac_option = "op"``): inside each block only the outputs of
     the ops in its save list are kept — every second matmul (wq, wv, w1, w2 in call order; wk, wo, w3 are
     recomputed) and the SDPA output — plus the block input; everything elementwise (norms, RoPE, SiLU, the
     gate product) is recomputed. Per layer e·(1 + q/h + v/h + o/h + i/h + 1)·s·b·h (Llama: e·(4 + kv/h + i/h)),
     plus one block's working set while it is recomputed in backward. An MoE layer keeps w1's and w2's outputs
     for each of its k routed copies and S shared experts, k·(i/h + 1) + S·(i/h + 1), and the router's fp32
-    scores (an approximation: the parity of "every second matmul" inside grouped expert matmuls is not modelled).
+    scores (an approximation: the parity of "every second matmul" inside grouped expert matmuls is not modelled);
+    both routed outputs are kept by the experts' rank, so ``imbalance`` scales all of that routed part.
     """
     e, h = ELEMENT_BYTES[precision], shape.hidden_size
     kv = 1.0 if expanded_kv and not shape.is_mla else shape.v_width / h
@@ -220,11 +226,12 @@ def activations_per_op(shape: ModelShape, seq: int, batch: int, precision: str, 
     for count, moe in _layer_kinds(shape):
         if moe:
             i = shape.moe_intermediate_size / h
-            mlp = e * (shape.experts_per_token + shape.shared_experts) * (i + 1) + 4 * shape.num_experts / h
+            routed = imbalance * shape.experts_per_token
+            mlp = e * (routed + shape.shared_experts) * (i + 1) + 4 * shape.num_experts / h
         else:
             mlp = e * (shape.intermediate_size / h + 1)
         kept += count * (e * attention + mlp) * sbh
-    return kept + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv)
+    return kept + _working_set(shape, seq, batch, precision, flash, layers, expanded_kv, imbalance)
 
 
 def logits_bytes(shape: ModelShape, seq: int, batch: int, chunk_tokens: int | None = 1024) -> float:

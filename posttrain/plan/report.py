@@ -31,6 +31,7 @@ class PlanInputs:
     rollout_batch: int = 8
     mfu: float = 0.4
     expert_parallel: int = 1  # EP: ranks each MoE layer's routed experts are split over (parallel.expert)
+    expert_imbalance: float = 1.0  # EP > 1: busiest EP rank's received routed copies over its sent (memory.py)
     gpu: str = DEFAULT_GPU  # the preset the next three figures came from (posttrain/plan/hardware.py)
     gpu_memory_gib: float = GPU_PRESETS[DEFAULT_GPU].memory_gib
     peak_tflops: float = GPU_PRESETS[DEFAULT_GPU].peak_tflops  # bf16 dense
@@ -79,8 +80,10 @@ def build_plan(shape: ModelShape, inputs: PlanInputs) -> dict:
     seq = inputs.prompt_len + inputs.completion_len if inputs.recipe == "grpo" else inputs.seq
     unit = memory.gathered_unit_params(shape, inputs.gpus, ep)
     states = memory.model_states(params, unit, inputs.gpus, inputs.gpus_per_node, inputs.precision, inputs.offload)
+    imbalance = inputs.expert_imbalance if ep > 1 else 1.0  # at EP 1 a rank runs all its own routed copies
     activations = memory.ACTIVATION_POLICIES.get(inputs.ac)(shape, seq, sequences, inputs.precision, inputs.flash,
-                                                            inputs.layers, inputs.padded and inputs.layers == "hf")
+                                                            inputs.layers, inputs.padded and inputs.layers == "hf",
+                                                            imbalance=imbalance)
     logits = memory.logits_bytes(shape, seq, sequences, inputs.loss_chunk)
     kv_cache = (memory.kv_cache_bytes(shape, seq, inputs.rollout_batch) if inputs.recipe == "grpo" else 0.0)
     # A live reference is frozen: its parameters only, sharded like the policy, in the compute dtype.
@@ -164,6 +167,8 @@ def format_plan(plan: dict) -> str:
     if "active_params" in model:
         params += (f", {model['active_params'] / 1e9:,.2f}B active; {model['num_experts']} experts, "
                    f"{model['experts_per_token']} per token, EP {inp['expert_parallel']}")
+        if inp["expert_parallel"] > 1 and inp["expert_imbalance"] != 1:
+            params += f", routing imbalance {inp['expert_imbalance']:g}"
     lines = [
         f"plan: {model['name']} ({params}), {inp['recipe']}, "
         f"{inp['gpus']} GPUs ({run['nodes']} nodes × {inp['gpus_per_node']}), {inp['precision']}, "

@@ -335,6 +335,28 @@ class EpisodeRollouts:
             rollout.version = version
         return Ready(groups, time.perf_counter() - started)
 
+    def evaluate(self, prompts: Sequence[RLPrompt]) -> list[Rollout]:
+        """One greedy episode per prompt (held-out evaluation, ``data.eval``): the same environment, tool and limits
+        as training, temperature 0 (so no seed matters)."""
+        from posttrain.generate.engine import HFBackend
+        from posttrain.rl.rollout import full_weights
+
+        params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.params.max_new_tokens, logprobs=True)
+        was_training = self.root.training
+        self.root.eval()
+        try:
+            with full_weights(self.root):
+                backend = HFBackend(self.lm, self.tokenizer)
+
+                def generate(ids, seeds, turn_params):
+                    return backend.generate_ids(ids, seeds, turn_params, batch_size=self.batch_size)
+
+                groups = run_episodes(generate, self.tokenizer, list(prompts), list(range(len(prompts))), params,
+                                      self.config, self._make_env, max_length=self.max_length)
+        finally:
+            self.root.train(was_training)
+        return [group[0] for group in groups]
+
     def __call__(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
         return self.submit(prompts, keys, seed, version).result()
 

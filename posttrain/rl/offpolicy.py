@@ -45,12 +45,15 @@ __all__ = ["decode_rollout", "encode_rollout", "token_layout", "trainer_logprobs
 
 def trainer_logprobs(root: torch.nn.Module, lm: torch.nn.Module, rollouts: Sequence[Rollout], *, pad_id: int,
                      temperature: float, batch_size: int, chunk_size: int, precision: str, sharded: bool,
-                     replay: RoutingReplay | None = None) -> None:
+                     replay: RoutingReplay | None = None, lockstep: bool = False) -> None:
     """Set ``rollout.train_logprobs`` for every rollout: the training forward's float32 log-probs of its
     completion tokens with the current weights, in micro-batches of ``batch_size``. ``lm`` is ``root``'s HF
     model; the forward is the one ``TokenLogprobModel`` runs (same chunk size), called on ``lm`` inside
     ``full_weights(root)`` so that no FSDP collective runs per micro-batch. Collective under FSDP. ``replay``
-    (``rl.routing_replay``): the forward routes each token to the experts the sampler chose, as training does."""
+    (``rl.routing_replay``): the forward routes each token to the experts the sampler chose, as training does.
+    ``lockstep`` (expert parallelism: every MoE forward is an all-to-all over the ranks): every rank runs the
+    largest rank's number of micro-batches (an all-reduce of the count); a rank with fewer runs a two-token dummy
+    forward for each missing one and drops its result."""
     was_training = root.training
     root.eval()
 
@@ -59,8 +62,17 @@ def trainer_logprobs(root: torch.nn.Module, lm: torch.nn.Module, rollouts: Seque
                                     return_entropy=return_entropy, positions=positions)
 
     device = dist.device()
+    chunks = -(-len(rollouts) // batch_size)
+    if lockstep and dist.world_size() > 1:
+        count = torch.tensor([chunks], dtype=torch.int64, device=device)
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        missing = int(count) - chunks
+    else:
+        missing = 0
     try:
         with torch.no_grad(), full_weights(root), autocast(precision, sharded):
+            for _ in range(missing):  # the other ranks' extra micro-batches: the same collectives, no result
+                lm(input_ids=torch.full((1, 2), pad_id, dtype=torch.long, device=device))
             for start in range(0, len(rollouts), batch_size):
                 chunk = list(rollouts[start : start + batch_size])
                 batch = rollout_batch(chunk, pad_id, temperature)
@@ -95,7 +107,7 @@ def trainer_logprobs_fn(config, root: torch.nn.Module, lm: torch.nn.Module, pad_
     def score(rollouts: Sequence[Rollout]) -> None:
         trainer_logprobs(root, lm, rollouts, pad_id=pad_id, temperature=config.rl.temperature,
                          batch_size=train.batch_size, chunk_size=train.loss_chunk_size, precision=train.precision,
-                         sharded=uses_fsdp(train.fsdp), replay=replay)
+                         sharded=uses_fsdp(train.fsdp), replay=replay, lockstep=config.parallel.expert > 1)
 
     return score
 

@@ -1,9 +1,10 @@
 """The built-in verifiable task suite: the embedded default's data, with checkable answers.
 
 Three capability groups (``reasoning``, ``instruction_following``, ``transformation``) in three tiers
-(1 basic comprehension, 2 logical application, 3 complex creation). Every generator is seeded, every
-problem has a reference answer and a verifier, and a hash of each problem's canonical form puts it in
-the train or the eval split, so eval items are never trained on.
+(1 basic comprehension, 2 logical application, 3 complex creation), plus the opt-in ``tool_use`` group
+(``OPT_IN_GROUPS``: large-number arithmetic and counting for a Python tool, chosen only by name). Every
+generator is seeded, every problem has a reference answer and a verifier, and a hash of each problem's
+canonical form puts it in the train or the eval split, so eval items are never trained on.
 
 - ``sft_examples(n, seed)`` / ``rl_prompts(n, seed)``: training records (train split).
 - ``build_suite(n_per_cell, seed)``: the ``flywheel`` eval items (eval split); importing this

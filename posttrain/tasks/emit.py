@@ -18,6 +18,7 @@ from posttrain.tasks.problem import (
     GROUPS,
     TIERS,
     Problem,
+    Split,
     allocate,
     draw_problems,
     families_in,
@@ -81,9 +82,10 @@ def sft_examples(n: int, seed: int, unique: bool = False, **sampling: Any) -> li
     return [to_sft(p) for p in sample_problems(n, seed, split="train", unique=unique, **sampling)]
 
 
-def rl_prompts(n: int, seed: int, unique: bool = False, **sampling: Any) -> list[RLPrompt]:
-    """``n`` RL prompts with answers from the train split; ``unique`` and ``sampling`` as for ``sft_examples``."""
-    return [to_rl(p) for p in sample_problems(n, seed, split="train", unique=unique, **sampling)]
+def rl_prompts(n: int, seed: int, unique: bool = False, split: Split = "train", **sampling: Any) -> list[RLPrompt]:
+    """``n`` RL prompts with answers from the train split (``split="eval"``: held-out prompts for a GRPO recipe's
+    ``data.eval``, never trained on); ``unique`` and ``sampling`` as for ``sft_examples``."""
+    return [to_rl(p) for p in sample_problems(n, seed, split=split, unique=unique, **sampling)]
 
 
 def eval_problems(

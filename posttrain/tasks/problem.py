@@ -21,6 +21,10 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 GROUPS: tuple[str, ...] = ("reasoning", "instruction_following", "transformation")
+# Groups chosen only by name: never in the default selection (groups=None) or the flywheel eval suite.
+# tool_use: problems one Python call answers (posttrain.tasks.tool_use, the grpo_tools_tiny recipe's data).
+OPT_IN_GROUPS: tuple[str, ...] = ("tool_use",)
+ALL_GROUPS: tuple[str, ...] = GROUPS + OPT_IN_GROUPS
 TIERS: tuple[int, ...] = (1, 2, 3)
 TIER_NAMES: dict[int, str] = {1: "basic comprehension", 2: "logical application", 3: "complex creation"}
 Split = Literal["train", "eval"]
@@ -78,8 +82,8 @@ def register_family(
     wrong_answer: Callable[[Problem, random.Random], str],
 ) -> Callable[[Callable[[random.Random], Problem]], Callable[[random.Random], Problem]]:
     """Decorator: register ``sample(rng) -> Problem`` as the task family ``name``."""
-    if group not in GROUPS:
-        raise ValueError(f"task family {name!r}: unknown group {group!r}; groups are {', '.join(GROUPS)}")
+    if group not in ALL_GROUPS:
+        raise ValueError(f"task family {name!r}: unknown group {group!r}; groups are {', '.join(ALL_GROUPS)}")
     if tier not in TIERS:
         raise ValueError(f"task family {name!r}: tier must be 1, 2 or 3, got {tier!r}")
 
@@ -103,7 +107,7 @@ def families_in(group: str | None = None, tier: int | None = None) -> list[TaskF
 
 def _load_families() -> None:
     # The family modules register themselves on import; importing here keeps callers from having to.
-    from posttrain.tasks import instruction, reasoning, transformation  # noqa: F401
+    from posttrain.tasks import instruction, reasoning, tool_use, transformation  # noqa: F401
 
 
 class TaskSpaceExhausted(ValueError):
@@ -175,17 +179,17 @@ def sample_problems(
     groups = tuple(groups or GROUPS)
     tiers = tuple(tiers or TIERS)
     for group in groups:
-        if group not in GROUPS:
-            raise ValueError(f"unknown task group {group!r}; groups are {', '.join(GROUPS)}")
+        if group not in ALL_GROUPS:
+            raise ValueError(f"unknown task group {group!r}; groups are {', '.join(ALL_GROUPS)}")
     for tier in tiers:
         if tier not in TIERS:
             raise ValueError(f"unknown tier {tier!r}; tiers are 1, 2, 3")
-    unknown_groups = sorted(set(group_weights or {}) - set(GROUPS))
+    unknown_groups = sorted(set(group_weights or {}) - set(ALL_GROUPS))
     unknown_tiers = sorted(set(tier_weights or {}) - set(TIERS))
     if unknown_groups or unknown_tiers:
         raise ValueError(
             f"weights name unknown groups {unknown_groups} or tiers {unknown_tiers}; "
-            f"groups are {', '.join(GROUPS)}, tiers 1, 2, 3"
+            f"groups are {', '.join(ALL_GROUPS)}, tiers 1, 2, 3"
         )
     weights = {
         (g, t): (group_weights or {}).get(g, 1.0) * (tier_weights or {}).get(t, 1.0)

@@ -29,7 +29,9 @@ DTensors on different meshes; torchtitan has an EP-aware clip for that), at the 
 replicated ``world / N`` times when the world is larger than an EP group.
 
 Every rank must run the same number of MoE forwards (the exchanges are collectives): training steps do;
-sampling with per-rank prompts (GRPO rollouts) does not, which is why GRPO refuses ``parallel.expert > 1``.
+sampling with per-rank prompts (GRPO's in-process HF rollouts) does not, which is why GRPO takes
+``parallel.expert > 1`` only with ``rollout.engine: vllm`` (posttrain/config/rl.py; its log-prob recompute
+pads to the same count, posttrain/rl/offpolicy.py).
 """
 
 from __future__ import annotations

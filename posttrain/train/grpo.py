@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any
 
@@ -149,22 +150,39 @@ def load_reference(config: GRPORecipe, root: torch.nn.Module):
 
 
 def reward_evaluator(prompts: list[RLPrompt], root: torch.nn.Module, lm: torch.nn.Module, tokenizer,
-                     params: SamplingParams, rewards, batch_size: int):
+                     params: SamplingParams, rewards, batch_size: int, episodes=None):
     """``evaluate(model) -> {"reward", "pass@1", "prompts"}`` over held-out prompts: one greedy completion each,
     scored by the run's reward, split over ranks (``sharded_sums``; under FSDP the weights are gathered
-    once per pass, ``posttrain.rl.rollout.full_weights``)."""
+    once per pass, ``posttrain.rl.rollout.full_weights``). ``episodes`` (``env:``, an ``EpisodeRollouts``): one
+    greedy episode each with the environment and its tool instead, its final answer scored, a failed episode 0
+    (``episode_reward``), plus ``tool_call_rate``, ``turns_mean``, ``tool_errors`` and ``failed_share``."""
     from posttrain.generate.engine import HFBackend
+    from posttrain.rl.multiturn import episode_reward
     from posttrain.train.evaluation import sharded_sums
 
     per_rank = math.ceil(len(prompts) / dist.world_size())
 
     def measure(model: torch.nn.Module, chunk: list[RLPrompt]) -> torch.Tensor:  # noqa: ARG001 - root is the model
-        with full_weights(root):
-            completions = HFBackend(lm, tokenizer).generate([p.prompt for p in chunk], params,
-                                                            batch_size=batch_size, progress=False)
-        scored = rewards.score(chunk, [group[0].text for group in completions])
-        verdicts = [p for p in scored.passed if p is not None]
-        return torch.tensor([sum(scored.rewards), float(sum(verdicts)), float(len(verdicts)), float(len(chunk))],
+        if episodes is not None:
+            rollouts = episodes.evaluate(chunk)
+            texts = [r.text for r in rollouts]
+        else:
+            with full_weights(root):
+                completions = HFBackend(lm, tokenizer).generate([p.prompt for p in chunk], params,
+                                                                batch_size=batch_size, progress=False)
+            texts = [group[0].text for group in completions]
+        scored = rewards.score(chunk, texts)
+        values, passed, extra = list(scored.rewards), list(scored.passed), [0.0] * 4
+        if episodes is not None:
+            counters: Counter = Counter()
+            pairs = [episode_reward(r, value, ok, counters)
+                     for r, value, ok in zip(rollouts, values, passed, strict=True)]
+            values, passed = [value for value, _ in pairs], [ok for _, ok in pairs]
+            infos = [r.episode or {} for r in rollouts]
+            extra = [float(sum(i.get("tool_calls", 0) > 0 for i in infos)), float(sum(i.get("turns", 0) for i in infos)),
+                     float(sum(i.get("tool_errors", 0) for i in infos)), float(sum(bool(i.get("failure")) for i in infos))]
+        verdicts = [p for p in passed if p is not None]
+        return torch.tensor([sum(values), float(sum(verdicts)), float(len(verdicts)), float(len(chunk)), *extra],
                             dtype=torch.float64)
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
@@ -172,6 +190,9 @@ def reward_evaluator(prompts: list[RLPrompt], root: torch.nn.Module, lm: torch.n
         figures = {"reward": float(total[0] / total[3]), "prompts": int(total[3])}
         if total[2] > 0:
             figures["pass@1"] = float(total[1] / total[2])
+        if episodes is not None:
+            figures.update({"tool_call_rate": float(total[4] / total[3]), "turns_mean": float(total[5] / total[3]),
+                            "tool_errors": float(total[6]), "failed_share": float(total[7] / total[3])})
         return figures
 
     return evaluate
@@ -188,6 +209,7 @@ class GRPOParts:
     eval_prompts: list[RLPrompt]
     engine: RolloutEngine | None = None  # rollout.engine; run_grpo closes it
     replay: RoutingReplay | None = None  # rl.routing_replay: the policy's router hooks
+    episodes: Any = None  # env: the EpisodeRollouts, which also evaluates data.eval as episodes
 
 
 def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
@@ -210,12 +232,12 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
 
     # rollout.engine (hf | vllm) is chosen here and nowhere else; the source and the loop see only Rollouts.
     engine = rollout_engine(config, root, lm, tokenizer)
-    rollouts = RolloutFn(engine, params)
+    rollouts, episodes = RolloutFn(engine, params), None
     if config.env is not None:  # multi-turn episodes with the sandboxed tool (posttrain.rl.multiturn; HF engine)
         from posttrain.rl.multiturn import EpisodeRollouts
 
-        rollouts = EpisodeRollouts(root, lm, tokenizer, config.env, params, rl.rollout_batch_size,
-                                   config.train.max_length)
+        rollouts = episodes = EpisodeRollouts(root, lm, tokenizer, config.env, params, rl.rollout_batch_size,
+                                              config.train.max_length)
         say(f"episodes: environment {config.env.name}, {config.env.tool_format} tool calls, at most "
             f"{config.env.max_turns} turns of {config.env.max_turn_tokens} tokens, {rl.max_new_tokens} tokens in all")
     eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,
@@ -228,7 +250,7 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
         f"({source.geometry.world} rank(s) × {source.geometry.grad_accum} micro-batch(es) of "
         f"{source.geometry.micro_batch}); {rl.advantage} advantages, {rl.policy_loss} loss, {rl.aggregation}, "
         f"β={rl.kl_beta}")
-    return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine, replay)
+    return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine, replay, episodes)
 
 
 def check_routing_replay(config: GRPORecipe) -> None:
@@ -263,7 +285,7 @@ def run_grpo(config: GRPORecipe) -> int:
             if parts.eval_prompts:
                 greedy = SamplingParams(n=1, temperature=0.0, max_new_tokens=rl.max_new_tokens)
                 settings.evaluate = reward_evaluator(parts.eval_prompts, parts.root, parts.lm, parts.tokenizer, greedy,
-                                                     rewards, rl.rollout_batch_size)
+                                                     rewards, rl.rollout_batch_size, parts.episodes)
             try:
                 code = train(parts.root, parts.source, grpo_loss(config, parts.replay), settings)
             finally:

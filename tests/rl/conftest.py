@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -29,3 +32,21 @@ def grpo_overrides(model: str, data: str, out: Path, **extra) -> list[str]:
     }
     settings.update(extra)
     return [f"{k}={v}" for k, v in settings.items()]
+
+
+def killed_and_resumed(run: Callable[[list[str]], subprocess.CompletedProcess], overrides: list[str], out: Path,
+                       crash_at: int, check: Callable[[Path], None] | None = None) -> subprocess.CompletedProcess:
+    """The node-loss drill as a test: ``run(overrides)`` SIGKILLed at step ``crash_at`` (``debug.crash_at_step``),
+    ``check(out)`` on what it left, then the same command again, which must resume from the last checkpoint and
+    finish. ``out`` is the run's output_dir; the resumed run's process is returned."""
+    from tests.train.conftest import read_jsonl
+
+    crashed = run([*overrides, f"debug.crash_at_step={crash_at}"])
+    assert crashed.returncode == -signal.SIGKILL, crashed.stderr[-3000:]
+    assert not (out / "final").exists()
+    if check is not None:
+        check(out)
+    resumed = run(overrides)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed" in [a["kind"] for a in read_jsonl(out / "alerts.jsonl")]
+    return resumed

@@ -17,16 +17,16 @@ RESUME = {"train.max_steps": 6, "train.save_every": 2, "rl.pass_rate_low": 0.0, 
           "rl.pass_rate_min_tries": 4}
 
 
-def grpo_command(overrides: list[str], nproc: int = 1) -> list[str]:
+def grpo_command(overrides: list[str], nproc: int = 1, config: str = "grpo_tiny") -> list[str]:
     if nproc == 1:
-        return [sys.executable, "-m", "posttrain", "grpo", "--config", "grpo_tiny", *overrides]
+        return [sys.executable, "-m", "posttrain", "grpo", "--config", config, *overrides]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-            "-m", "posttrain", "grpo", "--config", "grpo_tiny", *overrides]
+            "-m", "posttrain", "grpo", "--config", config, *overrides]
 
 
-def run(overrides: list[str], nproc: int = 1) -> subprocess.CompletedProcess:
-    return subprocess.run(grpo_command(overrides, nproc), cwd=ROOT, env=env(), capture_output=True, text=True,
-                          timeout=600)
+def run(overrides: list[str], nproc: int = 1, config: str = "grpo_tiny") -> subprocess.CompletedProcess:
+    return subprocess.run(grpo_command(overrides, nproc, config), cwd=ROOT, env=env(), capture_output=True,
+                          text=True, timeout=600)
 
 
 def test_sigkill_then_resume_is_bit_identical(tiny_model_dir, rl_data, tmp_path):

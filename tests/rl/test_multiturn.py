@@ -1,7 +1,7 @@
 """Multi-turn episodes (posttrain.rl.multiturn): the loop's bookkeeping (tokens, masks, placeholders, limits) with a
 scripted policy, environment failures (crash, hang) scored 0 with a counted reason, masked tokens carrying no
 gradient through the GRPO loss, episodes through JSON exactly, the config's refusals, and `posttrain grpo` with
-the packaged `grpo_tools_tiny` recipe."""
+the packaged `grpo_tools_tiny` recipe (with held-out episodes evaluated)."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import torch
 from posttrain.config.env import EnvConfig
 from posttrain.config.loader import load_config
 from posttrain.config.rl import GRPORecipe
+from posttrain.data.io import write_records
 from posttrain.data.records import RLPrompt, user
 from posttrain.eval.sandbox import sandbox_support
 from posttrain.generate.engine import Completion, SamplingParams
@@ -25,6 +26,7 @@ from posttrain.rl.envs import EnvStep, PythonToolEnv, make_env
 from posttrain.rl.multiturn import episode_metrics, episode_reward, run_episodes, tool_turn
 from posttrain.rl.offpolicy import decode_rollout, encode_rollout
 from posttrain.rl.rollout import Rollout, rollout_batch
+from posttrain.tasks import rl_prompts
 from tests.rl.conftest import grpo_overrides
 from tests.train.conftest import ROOT, read_jsonl
 from tests.train.conftest import env as subprocess_env
@@ -237,15 +239,17 @@ def test_the_config_refuses_what_episodes_do_not_support(tiny_model_dir, rl_data
         config_of(tiny_model_dir, rl_data, tmp_path, **{"rollout.engine": "vllm"})
     with pytest.raises(ValueError, match="max_turn"):
         config_of(tiny_model_dir, rl_data, tmp_path, **{"env.max_turnz": 3})
-    with pytest.raises(ValueError, match="held-out evaluation of episodes"):
-        config_of(tiny_model_dir, rl_data, tmp_path, **{"data.eval": rl_data})
+    assert config_of(tiny_model_dir, rl_data, tmp_path, **{"data.eval": rl_data}).data.eval == rl_data  # episodes
     assert config_of(tiny_model_dir, rl_data, tmp_path).env.name == "python_tool"
 
 
 @pytest.mark.skipif(not SUPPORTED, reason=f"sandbox unavailable here: {WHY}")
 def test_grpo_tools_tiny_runs_two_steps(tiny_model_dir, rl_data, tmp_path):
     out = tmp_path / "run"
-    overrides = grpo_overrides(tiny_model_dir, rl_data, out, **{**TOOLS, "train.max_steps": 2})
+    held_out = tmp_path / "eval.jsonl"  # the built-in tool task's eval split, evaluated as greedy episodes
+    write_records(str(held_out), rl_prompts(3, 0, split="eval", groups=["tool_use"]))
+    overrides = grpo_overrides(tiny_model_dir, rl_data, out, **{**TOOLS, "train.max_steps": 2,
+                                                                 "data.eval": str(held_out)})
     done = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "grpo_tools_tiny", *overrides],
                           cwd=ROOT, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -254,4 +258,7 @@ def test_grpo_tools_tiny_runs_two_steps(tiny_model_dir, rl_data, tmp_path):
     for record in steps:
         assert record["episode/turns_mean"] >= 1 and 0 <= record["episode/tool_call_rate"] <= 1
         assert record["episode/failed_share"] == 0
+    evals = [r for r in read_jsonl(out / "metrics.jsonl") if "eval/reward" in r]
+    assert len(evals) == 1 and evals[0]["eval/prompts"] == 3 and evals[0]["eval/failed_share"] == 0
+    assert evals[0]["eval/turns_mean"] >= 1 and 0 <= evals[0]["eval/tool_call_rate"] <= 1
     assert (out / "final").exists()

@@ -62,12 +62,16 @@ def test_parallel_section_is_typed_and_not_part_of_the_run_identity():
     assert config_identity(one) == config_identity(two)  # a checkpoint resumes at another EP degree
 
 
-def test_grpo_refuses_expert_parallelism():
+def test_grpo_takes_expert_parallelism_with_the_vllm_engine_only():
     from posttrain.config.rl import GRPORecipe
 
-    with pytest.raises(ConfigError, match="GRPO samples each rank's prompts separately"):
-        load_config(GRPORecipe, None, ["output_dir=runs/x", "model.path=m", "data.train=p.jsonl",
-                                       "parallel.expert=2"])
+    base = ["output_dir=runs/x", "model.path=m", "data.train=p.jsonl", "parallel.expert=2"]
+    with pytest.raises(ConfigError, match="in-process sampler decodes each rank's prompts separately.*"
+                                          "set rollout.engine=vllm"):
+        load_config(GRPORecipe, None, base)  # rollout.engine=hf, the default
+    assert load_config(GRPORecipe, None, [*base, "rollout.engine=vllm"]).parallel.expert == 2
+    with pytest.raises(ConfigError, match="held-out evaluation decodes greedily.*remove data.eval"):
+        load_config(GRPORecipe, None, [*base, "rollout.engine=vllm", "data.eval=e.jsonl"])
 
 
 def test_the_expert_degree_is_checked_against_the_model_and_the_ranks(tiny_model_dir, tmp_path):
