@@ -136,6 +136,31 @@ class Variant:
                                             default=None)}
 
 
+def _descendants(pid: int) -> list[int]:
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").iterdir():
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            todo.extend(int(child) for child in children)
+    return found
+
+
+def pin_engines(variants: list) -> None:
+    """``--pin``: every engine process (and each of its threads) on core 0, this trainer on the other cores."""
+    engine_core, cores = {0}, set(range(os.cpu_count() or 1))
+    for variant in variants:
+        server = getattr(variant.parts.engine, "server", None)
+        if server is None or server.process is None:
+            continue
+        for pid in _descendants(server.process.pid):
+            for task in Path(f"/proc/{pid}/task").iterdir():
+                os.sched_setaffinity(int(task.name), engine_core)
+    for task in Path("/proc/self/task").iterdir():
+        os.sched_setaffinity(int(task.name), cores - engine_core or cores)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path)
@@ -148,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--engine", choices=("hf", "vllm"), default="hf")
+    parser.add_argument("--pin", action="store_true", help="vllm: the engines' processes on core 0 and the trainer on "
+                        "the others (vLLM-CPU binds its compute thread to one core, but its server and engine-core "
+                        "threads float: on 2 cores they take the trainer's core and nothing overlaps)")
     parser.add_argument("--no-measure-mismatch", action="store_true", help="rl.measure_mismatch=false in every "
                         "variant: no recompute of the trainer's log-probs, which runs on the trainer and cannot overlap")
     parser.add_argument("--variants", default=None, help="comma-separated; default: all of the engine's")
@@ -177,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 for name in names:
                     variants.append(Variant(name, configs[name], rewards))
+                if args.pin:
+                    pin_engines(variants)
                 for step in range(args.warmup_steps + args.steps):
                     turn = step % len(variants)
                     for variant in variants[turn:] + variants[:turn]:
@@ -203,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         args.prompts_per_step, "group_size": args.group_size, "max_new_tokens": args.max_new_tokens,
         "steps": args.steps, "warmup_steps": args.warmup_steps, "schedule": "interleaved by step",
         "skip_zero_advantage": not args.train_all, "measure_mismatch": not args.no_measure_mismatch,
+        "pinned": args.pin,
         "variants": figures, "ratios": ratios, "target_k1_over_sync": TARGET,
         "target_met": ratios.get("k1_over_sync", 1.0) <= TARGET,
         "machine": {"cores": os.cpu_count(), "torch_threads": args.threads, "load_avg_1m_start_end":
