@@ -46,7 +46,7 @@ def test_the_engine_variants_run_against_an_engine_of_their_own(tiny_model_dir, 
            "FAKE_VLLM_STARTS": str(tmp_path / "starts.txt")}
     proc = subprocess.run([sys.executable, str(SCRIPT), "--engine", "vllm", "--model", tiny_model_dir, "--data",
                            str(data), "--steps", "2", "--warmup-steps", "1", "--max-new-tokens", "4",
-                           "--prompts-per-step", "2", "--no-measure-mismatch"],
+                           "--prompts-per-step", "2", "--no-measure-mismatch", "--pin"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -55,4 +55,5 @@ def test_the_engine_variants_run_against_an_engine_of_their_own(tiny_model_dir, 
     assert [variants[name]["max_staleness_seen"] for name in ("sync", "k1_serial", "k1")] == [0, 1, 1]
     assert all(v["median_recompute_s"] is None and v["median_rollout_wait_s"] is not None for v in variants.values())
     assert {"k1_over_sync", "k1_over_k1_serial"} <= set(result["ratios"]) and result["measure_mismatch"] is False
+    assert result["pinned"] is True
     assert len((tmp_path / "starts.txt").read_text().splitlines()) == 3  # one engine per variant
