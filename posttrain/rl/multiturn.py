@@ -309,15 +309,11 @@ class EpisodeRollouts:
             if not config.name.startswith("python:") else {}
         self._make_env = lambda: make_env(config, **shared)
 
-    def submit(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
+    def _episodes(self, prompts: Sequence[RLPrompt], keys: Sequence[int], params: SamplingParams) -> list:
+        """``run_episodes`` on the live weights (gathered once under FSDP2), in evaluation mode, as sampling is."""
         from posttrain.generate.engine import HFBackend
-        from posttrain.rl.engines import Ready
         from posttrain.rl.rollout import full_weights
 
-        if self.params.greedy:
-            raise ValueError("rollouts need sampling (temperature > 0)")
-        started = time.perf_counter()
-        params = SamplingParams(**{**self.params.__dict__, "seed": seed, "logprobs": True})
         was_training = self.root.training
         self.root.eval()
         try:
@@ -327,10 +323,19 @@ class EpisodeRollouts:
                 def generate(ids, seeds, turn_params):
                     return backend.generate_ids(ids, seeds, turn_params, batch_size=self.batch_size)
 
-                groups = run_episodes(generate, self.tokenizer, list(prompts), list(keys), params, self.config,
-                                      self._make_env, max_length=self.max_length)
+                return run_episodes(generate, self.tokenizer, list(prompts), list(keys), params, self.config,
+                                    self._make_env, max_length=self.max_length)
         finally:
             self.root.train(was_training)
+
+    def submit(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
+        from posttrain.rl.engines import Ready
+
+        if self.params.greedy:
+            raise ValueError("rollouts need sampling (temperature > 0)")
+        started = time.perf_counter()
+        groups = self._episodes(prompts, keys, SamplingParams(**{**self.params.__dict__, "seed": seed,
+                                                                 "logprobs": True}))
         for rollout in (r for group in groups for r in group):
             rollout.version = version
         return Ready(groups, time.perf_counter() - started)
@@ -338,24 +343,8 @@ class EpisodeRollouts:
     def evaluate(self, prompts: Sequence[RLPrompt]) -> list[Rollout]:
         """One greedy episode per prompt (held-out evaluation, ``data.eval``): the same environment, tool and limits
         as training, temperature 0 (so no seed matters)."""
-        from posttrain.generate.engine import HFBackend
-        from posttrain.rl.rollout import full_weights
-
         params = SamplingParams(n=1, temperature=0.0, max_new_tokens=self.params.max_new_tokens, logprobs=True)
-        was_training = self.root.training
-        self.root.eval()
-        try:
-            with full_weights(self.root):
-                backend = HFBackend(self.lm, self.tokenizer)
-
-                def generate(ids, seeds, turn_params):
-                    return backend.generate_ids(ids, seeds, turn_params, batch_size=self.batch_size)
-
-                groups = run_episodes(generate, self.tokenizer, list(prompts), list(range(len(prompts))), params,
-                                      self.config, self._make_env, max_length=self.max_length)
-        finally:
-            self.root.train(was_training)
-        return [group[0] for group in groups]
+        return [group[0] for group in self._episodes(prompts, range(len(prompts)), params)]
 
     def __call__(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
         return self.submit(prompts, keys, seed, version).result()
