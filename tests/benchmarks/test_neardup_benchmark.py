@@ -23,4 +23,6 @@ def test_neardup_prints_one_json_line():
     assert result["benchmark"] == "neardup" and result["long"]["docs"] == 800
     assert result["long"]["ours"]["pairs"] > 0 and result["long"]["ours_pool_2"]["same_pairs"]
     assert result["short_real"]["edits"] > 100 and [s["docs"] for s in result["scale"]] == [2000, 5000]
-    assert set(result["goal_met"]) == {"long_10x_wall", "long_recall_precision_0.97", "short_recall_0.9_precision_0.95"}
+    assert set(result["goal_met"]) == {"long_10x_wall", "long_10x_wall_whole_process", "long_recall_precision_0.97",
+                                       "short_recall_0.9_precision_0.95"}
+    assert result["long"]["ours_process"]["same_clusters"] and result["long"]["ours_process"]["seconds_median"] > 0
