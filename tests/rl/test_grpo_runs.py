@@ -3,14 +3,13 @@ rollout seeds are checkpointed), SIGTERM saves and exits 75, and 2 ranks train l
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import sys
 
 import pytest
 import torch
 
-from tests.rl.conftest import grpo_overrides
+from tests.rl.conftest import grpo_overrides, killed_and_resumed
 from tests.train.conftest import ROOT, env, final_weights, read_jsonl, sigterm_after
 
 RESUME = {"train.max_steps": 6, "train.save_every": 2, "rl.pass_rate_low": 0.0, "rl.pass_rate_high": 0.99,
@@ -35,11 +34,7 @@ def test_sigkill_then_resume_is_bit_identical(tiny_model_dir, rl_data, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     out = tmp_path / "killed"
     overrides = grpo_overrides(tiny_model_dir, rl_data, out, **RESUME)
-    crashed = run([*overrides, "debug.crash_at_step=3"])
-    assert crashed.returncode == -signal.SIGKILL and not (out / "final").exists()
-    resumed = run(overrides)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed" in [a["kind"] for a in read_jsonl(out / "alerts.jsonl")]
+    killed_and_resumed(run, overrides, out, crash_at=3)
     expected, got = final_weights(clean), final_weights(out)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     rewards = [[r["reward_mean"] for r in read_jsonl(d / "metrics.jsonl") if "loss" in r] for d in (clean, out)]

@@ -5,13 +5,12 @@ warm-up), the mismatch metrics reach metrics.jsonl, and k = 0 trains exactly as 
 from __future__ import annotations
 
 import json
-import signal
 
 import pytest
 import torch
 
 from posttrain.cli import main
-from tests.rl.conftest import grpo_overrides
+from tests.rl.conftest import grpo_overrides, killed_and_resumed
 from tests.rl.test_grpo_runs import run
 from tests.train.conftest import final_weights, read_jsonl
 
@@ -42,13 +41,11 @@ def test_k1_sigkill_then_resume_is_bit_identical(tiny_model_dir, rl_data, tmp_pa
     overrides = grpo_overrides(tiny_model_dir, rl_data, out, **settings)
     # killed after step 2: the checkpoint of step 2 holds step 2's rollouts (sampled at step 1), and the resumed
     # run redoes step 2 from them and samples step 3's from the restored weights
-    crashed = run([*overrides, "debug.crash_at_step=2"])
-    assert crashed.returncode == -signal.SIGKILL and not (out / "final").exists()
-    state = json.loads((out / "checkpoints" / "step-000002" / "trainer.json").read_text())
-    assert [(q["step"], q["version"]) for q in state["source"]["queue"]] == [(2, 1)]
-    resumed = run(overrides)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed" in [a["kind"] for a in read_jsonl(out / "alerts.jsonl")]
+    def queued(out) -> None:
+        state = json.loads((out / "checkpoints" / "step-000002" / "trainer.json").read_text())
+        assert [(q["step"], q["version"]) for q in state["source"]["queue"]] == [(2, 1)]
+
+    killed_and_resumed(run, overrides, out, crash_at=2, check=queued)
     expected, got = final_weights(clean), final_weights(out)
     assert all(torch.equal(expected[name], got[name]) for name in expected)
     logs = [steps_of(d) for d in (clean, out)]
