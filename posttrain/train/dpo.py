@@ -266,8 +266,9 @@ def pair_evaluator(config: DPORecipe, pairs: list[TokenizedPair], pad_id: int, r
         with autocast(config.train.precision, sharded):
             per_pair, (pc, pr, rc, rr, lc, lr), _ = pair_losses(config, batch, model(**model_inputs(batch)))
         margin = config.dpo.beta * (((pc - rc) - (pr - rr)) if rc is not None else (pc / lc - pr / lr))
-        return torch.stack([per_pair.sum(), (margin > 0).sum(), margin.sum(), (pc > pr).sum(),
-                            (pc / lc > pr / lr).sum(), torch.tensor(float(pc.shape[0]))]).double()
+        # every term on the model's device: a host tensor in the stack fails on CUDA
+        return torch.stack([term.double() for term in (per_pair.sum(), (margin > 0).sum(), margin.sum(), (pc > pr).sum(),
+                                                       (pc / lc > pr / lr).sum(), pc.new_tensor(float(pc.shape[0])))])
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         totals = sharded_sums(model, pairs, config.train.batch_size, measure)

@@ -226,8 +226,9 @@ def reward_evaluator(config: RewardModelRecipe, pairs: list[TokenizedPair], pad_
             chosen, rejected = split_pairs(model(**reward_inputs(batch)))
         margin = _margins(chunk, config.rm.score_margin)
         loss = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
-        return torch.stack([loss.sum(), (chosen > rejected).sum(), (chosen - rejected).sum(),
-                            torch.tensor(float(chosen.shape[0]))]).double()
+        # every term on the model's device (a host tensor here broke held-out evaluation on CUDA)
+        return torch.stack([loss.sum().double(), (chosen > rejected).sum().double(), (chosen - rejected).sum().double(),
+                            chosen.new_tensor(float(chosen.shape[0]), dtype=torch.float64)])
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         totals = sharded_sums(model, pairs, config.train.batch_size, measure)
