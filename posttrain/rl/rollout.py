@@ -126,6 +126,25 @@ def full_weights(root: torch.nn.Module) -> Iterator[None]:
             module.reshard()
         for module in blocks:
             module.set_reshard_after_forward(True, recurse=False)
+        _forget_forward_order(root, modules)
+
+
+def _forget_forward_order(root: torch.nn.Module, modules: list[Any]) -> None:
+    """Drop the module order FSDP2 recorded during the forwards inside ``full_weights``.
+
+    FSDP2 appends every forward, no-grad ones too, to an order it keeps until the end of the next backward and
+    prefetches along it there (a block's backward all-gathers the block recorded before it). The forwards run
+    here differ in number between ranks (each scores or samples its own rollouts), so a rank that ran some would
+    prefetch one group more in the next backward than a rank that ran none, and the ranks' collectives would
+    pair up wrongly: a hang (measured on 2 gloo ranks: GRPO with the engine and ``rl.measure_mismatch``).
+    """
+    if hasattr(root, "reset_iter_state"):  # torch >= 2.13: the public way to clear FSDP's per-iteration trackers
+        root.reset_iter_state()
+        return
+    root._get_fsdp_state()._comm_ctx.post_forward_order.clear()
+    for module in modules:
+        for group in module._get_fsdp_state()._fsdp_param_groups:
+            group._post_forward_indices.clear()
 
 
 def sample_rollouts(
