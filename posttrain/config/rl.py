@@ -201,9 +201,6 @@ class GRPORecipe(TrainingRecipe):
                              "parallel.expert=1")
 
     def _check_env(self) -> None:
-        if self.rollout.engine != "hf":
-            raise ValueError(f"env: multi-turn episodes are sampled by the in-process HF engine only; "
-                             f"rollout.engine={self.rollout.engine} is not supported with env (set rollout.engine=hf)")
         if self.env.max_turn_tokens > self.rl.max_new_tokens:
             raise ValueError(f"env.max_turn_tokens={self.env.max_turn_tokens} exceeds the episode's budget "
                              f"rl.max_new_tokens={self.rl.max_new_tokens}; lower it or raise rl.max_new_tokens")

@@ -297,6 +297,14 @@ class VLLMServer:
         return "\n".join(kept[-lines:])
 
 
+def _check_logprob_sampling(params: SamplingParams) -> None:
+    if params.logprobs and (params.top_p < 1.0 or params.top_k > 0) and not params.greedy:
+        raise ValueError(
+            f"log-probs with top_p={params.top_p}, top_k={params.top_k}: the engine's processed log-probs are of "
+            "the truncated distribution, HFBackend's and the training forward's of the untruncated one; sample "
+            "with top_p=1 and top_k=0 when log-probs are needed")
+
+
 class VLLMClient:
     """A ``Backend`` over a vLLM server at ``url`` (see the module docstring). ``model`` (optional) adds its
     generation config's EOS ids to the stop tokens, as ``HFBackend`` does."""
@@ -316,11 +324,7 @@ class VLLMClient:
         seed_keys: Sequence[int] | None = None,
     ) -> list[list[Completion]]:
         del batch_size, progress  # the engine batches continuously; one request per prompt
-        if params.logprobs and (params.top_p < 1.0 or params.top_k > 0) and not params.greedy:
-            raise ValueError(
-                f"log-probs with top_p={params.top_p}, top_k={params.top_k}: the engine's processed log-probs are of "
-                "the truncated distribution, HFBackend's and the training forward's of the untruncated one; sample "
-                "with top_p=1 and top_k=0 when log-probs are needed")
+        _check_logprob_sampling(params)
         keys = _seed_keys(seed_keys, len(prompts))
         encoded = [encode_prompt(self.tokenizer, p) for p in prompts]
         for index, ids in enumerate(encoded):
@@ -330,6 +334,24 @@ class VLLMClient:
             return []
         bodies = [self._body(ids, params, row_seed(params.seed, key, 0) >> 2) for ids, key in zip(encoded, keys,
                                                                                                   strict=True)]
+        return self._send(bodies, params)
+
+    def generate_ids(self, prompt_ids: list[list[int]], seeds: list[int], params: SamplingParams,
+                     batch_size: int = 8) -> list[Completion]:
+        """One completion per row of token ids, row ``i`` sampled with seed ``seeds[i]`` (``params.n`` is ignored),
+        as ``HFBackend.generate_ids``: for contexts that already hold sampled tokens (multi-turn episodes,
+        ``posttrain.rl.multiturn``), which re-rendering as text could tokenize differently."""
+        del batch_size  # the engine batches continuously; one request per row
+        _check_logprob_sampling(params)
+        if len(seeds) != len(prompt_ids) or any(not ids for ids in prompt_ids):
+            raise ValueError("generate_ids needs one seed per row and non-empty rows")
+        one = SamplingParams(**{**params.__dict__, "n": 1})
+        bodies = [self._body(list(ids), one, seed >> 2) for ids, seed in zip(prompt_ids, seeds, strict=True)]
+        return [choices[0] for choices in self._send(bodies, one)]
+
+    def _send(self, bodies: list[dict[str, Any]], params: SamplingParams) -> list[list[Completion]]:
+        if not bodies:
+            return []
         with ThreadPoolExecutor(max_workers=min(self.max_concurrency, len(bodies))) as pool:
             replies = list(pool.map(self._complete, bodies))
         return [self._completions(reply, params) for reply in replies]

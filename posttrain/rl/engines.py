@@ -39,7 +39,7 @@ with ``sync_every: 1``) and ``rollout/engine_restarts``."""
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol
@@ -51,7 +51,7 @@ from posttrain.data.chat import Prompt
 from posttrain.generate.engine import SamplingParams
 from posttrain.rl.rollout import Rollout, sample_rollouts, to_rollouts
 
-__all__ = ["HFRollouts", "RolloutEngine", "RolloutFn", "Sampled", "VLLMRollouts", "rollout_engine"]
+__all__ = ["EngineJob", "HFRollouts", "RolloutEngine", "RolloutFn", "Sampled", "VLLMRollouts", "rollout_engine"]
 
 
 class Sampled(Protocol):
@@ -124,12 +124,17 @@ def _any_rank(flag: bool) -> bool:
     return bool(dist.all_reduce_sum(torch.tensor([float(flag)], dtype=torch.float64)).item() > 0)
 
 
-class _Requests:
-    """``Sampled`` for requests a background thread is sending to the vLLM engine (``VLLMRollouts.submit``)."""
+# A sampling job for the engine: given its client, the rollouts (in prompt order) and the seconds they took. It runs
+# in the background thread, so it never runs a collective; it may run twice (after an engine restart).
+EngineJob = Callable[[Any], tuple[list[list[Rollout]], float]]
 
-    def __init__(self, engine: VLLMRollouts, prompts: list[Prompt], params: SamplingParams, keys: Sequence[int],
-                 version: int, future: Future | None, failure: str | None):
-        self.engine, self.prompts, self.params, self.keys, self.version = engine, prompts, params, keys, version
+
+class _Requests:
+    """``Sampled`` for a job a background thread is running against the vLLM engine (``VLLMRollouts.submit``)."""
+
+    def __init__(self, engine: VLLMRollouts, job: EngineJob, version: int, future: Future | None,
+                 failure: str | None):
+        self.engine, self.job, self.version = engine, job, version
         self.future, self.failure = future, failure
         self.seconds = 0.0
         self._rollouts: list[list[Rollout]] | None = None
@@ -212,59 +217,64 @@ class VLLMRollouts:
     def submit(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
                version: int) -> _Requests:
         """Sync when due (a collective, here), then send the requests from the background thread."""
-        from posttrain.generate.vllm_server import EngineDown
-
         if params.greedy:
             raise ValueError("rollouts need sampling (temperature > 0): greedy decoding has no sampling distribution "
                              "for the policy ratio")
         params = SamplingParams(**{**params.__dict__, "logprobs": True})
+        prompts = list(prompts)
+
+        def job(client) -> tuple[list[list[Rollout]], float]:
+            started = time.perf_counter()
+            completions = client.generate(prompts, params, seed_keys=prompt_keys) if prompts else []
+            groups = to_rollouts(self.tokenizer, prompts, completions, params.temperature, prompt_keys)
+            return groups, time.perf_counter() - started
+
+        return self.submit_job(job, version)
+
+    def submit_job(self, job: EngineJob, version: int) -> _Requests:
+        """Sync when due (a collective, here), then run ``job`` from the background thread: the one path of
+        single-turn sampling (``submit``) and of multi-turn episodes (``posttrain.rl.multiturn.EngineEpisodes``)."""
+        from posttrain.generate.vllm_server import EngineDown
+
         self.log = {}
-        prompts, failure, future = list(prompts), None, None
+        failure, future = None, None
         try:
             if self._due(version):
                 self.sync(version)
         except EngineDown as exc:
             failure = str(exc)
-        if failure is None and prompts:
-            future = self._sender.submit(self._generate, prompts, params, prompt_keys)
-        return _Requests(self, prompts, params, prompt_keys, version, future, failure)
+        if failure is None:
+            future = self._sender.submit(job, self.client)
+        return _Requests(self, job, version, future, failure)
 
     def sample(self, prompts: Sequence[Prompt], params: SamplingParams, prompt_keys: Sequence[int],
                version: int) -> list[list[Rollout]]:
         return self.submit(prompts, params, prompt_keys, version).result()
 
-    def _generate(self, prompts: list[Prompt], params: SamplingParams, keys: Sequence[int]) -> tuple[list, float]:
-        """The requests themselves, and how long they took; no collective (it may run in the background)."""
-        started = time.perf_counter()
-        completions = self.client.generate(prompts, params, seed_keys=keys)
-        return completions, time.perf_counter() - started
-
     def _finish(self, requests: _Requests) -> list[list[Rollout]]:
-        """Wait for ``requests``; on an engine failure on any rank, restart it (collectively), re-sync, resample."""
+        """Wait for ``requests``; on an engine failure on any rank, restart it (collectively), re-sync, run the job
+        again."""
         from posttrain.generate.vllm_server import EngineDown
 
-        failure, completions, seconds = requests.failure, [], 0.0
+        failure, groups, seconds = requests.failure, [], 0.0
         if failure is None and requests.future is not None:
             try:
-                completions, seconds = requests.future.result()
+                groups, seconds = requests.future.result()
             except EngineDown as exc:
                 failure = str(exc)
         while _any_rank(failure is not None):
             self._restart(failure or "the engine failed on another rank")
-            failure, completions = None, []
+            failure, groups = None, []
             try:
                 if self._due(requests.version):
                     self.sync(requests.version)
-                if requests.prompts:
-                    completions, seconds = self._generate(requests.prompts, requests.params, requests.keys)
+                groups, seconds = requests.job(self.client)
             except EngineDown as exc:
                 failure = str(exc)
         served = self.synced if self.synced is not None else requests.version
         self.log["rollout/engine_lag"] = requests.version - served
         self.log["rollout/engine_restarts"] = self.restarts
         requests.seconds = seconds
-        groups = to_rollouts(self.tokenizer, requests.prompts, completions, requests.params.temperature,
-                             requests.keys)
         for rollout in (r for group in groups for r in group):
             rollout.version = served
         return groups

@@ -5,8 +5,14 @@ template, the tools passed in its ``tools`` argument) then ``completion_ids`` = 
 model turn 2, … . The model's tokens are sampled (with their behaviour log-probs) and trained; the environment's
 tokens are context only: ``Rollout.loss_mask`` is 0 there, ``logprobs`` hold 0.0 placeholders, and
 ``rollout_batch`` gives them no label, so they carry no gradient and count in no token normaliser. Nothing is
-re-tokenized: each model turn continues from the exact ids of the episode so far (``HFBackend.generate_ids``), so
-the trained tokens are the sampled tokens.
+re-tokenized: each model turn continues from the exact ids of the episode so far (``HFBackend.generate_ids``, or
+``VLLMClient.generate_ids`` on the engine), so the trained tokens are the sampled tokens.
+
+**Engines.** ``EpisodeRollouts`` samples with the trainer's live weights in its process (``rollout.engine: hf``);
+``EngineEpisodes`` runs the same episode loop against the vLLM engine (``rollout.engine: vllm``): the weights are
+synced when due, then the episodes — model turns on the engine, environment steps on local threads — run in the
+engine's background thread, so they overlap training with ``rl.max_staleness >= 1``. Held-out evaluation stays
+greedy on the trainer's weights (``EpisodeRollouts.evaluate``) with either engine.
 
 **A turn** ends at EOS / end of turn (the final answer: the episode is done), at the tool format's stop string
 (a tool call: the environment steps), or at ``env.max_turn_tokens``. The environment's turn is the chat
@@ -46,7 +52,7 @@ from posttrain.generate.engine import Completion, SamplingParams
 from posttrain.generate.sampling import row_seed
 from posttrain.rl.rollout import Rollout
 
-__all__ = ["EpisodeRollouts", "episode_metrics", "episode_reward", "run_episodes", "tool_turn", "turn_seed"]
+__all__ = ["EngineEpisodes", "EpisodeRollouts", "episode_metrics", "episode_reward", "run_episodes", "tool_turn", "turn_seed"]
 
 # generate(prompt_ids, seeds, params) -> one Completion per row (HFBackend.generate_ids)
 Generate = Callable[[list[list[int]], list[int], SamplingParams], list[Completion]]
@@ -351,3 +357,42 @@ class EpisodeRollouts:
 
     def close(self) -> None:
         pass
+
+
+class EngineEpisodes:
+    """Episodes sampled by the vLLM engine (``rollout.engine: vllm`` with ``env:``): what ``GRPOSource`` calls, as
+    ``EpisodeRollouts``. ``engine``: the run's ``VLLMRollouts`` (sync, background thread, restart on failure);
+    ``local``: the in-process ``EpisodeRollouts``, which evaluates ``data.eval`` and builds the environments."""
+
+    overlaps = True
+
+    def __init__(self, engine: Any, local: EpisodeRollouts):
+        self.engine, self.local = engine, local
+
+    @property
+    def log(self) -> dict[str, Any]:
+        return self.engine.log
+
+    def submit(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
+        local = self.local
+        if local.params.greedy:
+            raise ValueError("rollouts need sampling (temperature > 0)")
+        params = SamplingParams(**{**local.params.__dict__, "seed": seed, "logprobs": True})
+        prompts, keys = list(prompts), list(keys)
+
+        def job(client) -> tuple[list[list[Rollout]], float]:
+            started = time.perf_counter()
+            groups = run_episodes(client.generate_ids, local.tokenizer, prompts, keys, params, local.config,
+                                  local._make_env, max_length=local.max_length)
+            return groups, time.perf_counter() - started
+
+        return self.engine.submit_job(job, version)
+
+    def evaluate(self, prompts: Sequence[RLPrompt]) -> list[Rollout]:
+        return self.local.evaluate(prompts)
+
+    def __call__(self, prompts: Sequence[RLPrompt], keys: Sequence[int], seed: int, version: int = 0):
+        return self.submit(prompts, keys, seed, version).result()
+
+    def close(self) -> None:
+        pass  # the run closes its engine (grpo.py), as it does without env

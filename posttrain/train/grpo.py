@@ -233,11 +233,13 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
     # rollout.engine (hf | vllm) is chosen here and nowhere else; the source and the loop see only Rollouts.
     engine = rollout_engine(config, root, lm, tokenizer)
     rollouts, episodes = RolloutFn(engine, params), None
-    if config.env is not None:  # multi-turn episodes with the sandboxed tool (posttrain.rl.multiturn; HF engine)
-        from posttrain.rl.multiturn import EpisodeRollouts
+    if config.env is not None:  # multi-turn episodes with the sandboxed tool (posttrain.rl.multiturn)
+        from posttrain.rl.multiturn import EngineEpisodes, EpisodeRollouts
 
         rollouts = episodes = EpisodeRollouts(root, lm, tokenizer, config.env, params, rl.rollout_batch_size,
                                               config.train.max_length)
+        if config.rollout.engine == "vllm":  # the engine samples the episodes; data.eval stays in process
+            rollouts = EngineEpisodes(engine, episodes)
         say(f"episodes: environment {config.env.name}, {config.env.tool_format} tool calls, at most "
             f"{config.env.max_turns} turns of {config.env.max_turn_tokens} tokens, {rl.max_new_tokens} tokens in all")
     eval_prompts = (fitting_prompts(config, read_prompts(config, config.data.eval, "-eval"), tokenizer,

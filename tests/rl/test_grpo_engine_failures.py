@@ -99,3 +99,26 @@ def test_two_ranks_share_one_engine_and_sample_what_one_rank_does(tiny_model_dir
         assert all(r["rollout/sync_bytes"] > 0 for r in steps)
         rewards[nproc] = [r["reward_mean"] for r in steps]
     assert rewards[2] == rewards[1]  # a prompt's samples depend on its seed key, not on the rank that sent it
+
+
+def test_episodes_on_an_engine_that_dies_mid_step_are_run_again_after_the_restart(tiny_model_dir, rl_data, fake_python,
+                                                                                  tmp_path):
+    """``env:`` on the engine: start 1 dies while the first step's episodes are half sampled (each model turn of
+    each episode is one request; the stand-in samples uniform tokens, so every turn runs to env.max_turn_tokens and
+    AnswerOnce's tool turn follows the first); the restarted engine is re-synced and runs the step's episodes again
+    from the start, and the run ends normally."""
+    from tests.rl.test_tool_runs import SETTINGS
+
+    out, starts = tmp_path / "run", tmp_path / "starts.txt"
+    settings = {**SETTINGS, "train.max_steps": 2}
+    overrides = grpo_overrides(tiny_model_dir, rl_data, out, **{
+        **settings, "rollout.engine": "vllm", "rollout.engine_python": fake_python, "rollout.start_timeout_s": 120})
+    done = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "grpo_tools_tiny", *overrides],
+                          cwd=ROOT, env={**env(), "FAKE_VLLM_STARTS": str(starts), "FAKE_VLLM_DIE_AFTER": "10,-1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    steps = [r for r in read_jsonl(out / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1] and steps[0]["rollout/engine_restarts"] == 1
+    assert len(starts.read_text().splitlines()) == 2
+    for record in steps:  # every episode whole: two model turns around a masked tool turn
+        assert record["episode/turns_mean"] == 2 and 0 < record["episode/env_token_share"] < 1, record

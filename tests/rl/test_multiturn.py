@@ -235,8 +235,9 @@ def test_tool_tokens_carry_no_gradient(tiny_model_dir, rl_data, tmp_path):
 
 
 def test_the_config_refuses_what_episodes_do_not_support(tiny_model_dir, rl_data, tmp_path):
-    with pytest.raises(ValueError, match="rollout.engine=vllm is not supported with env"):
-        config_of(tiny_model_dir, rl_data, tmp_path, **{"rollout.engine": "vllm"})
+    assert config_of(tiny_model_dir, rl_data, tmp_path, **{"rollout.engine": "vllm"}).rollout.engine == "vllm"
+    with pytest.raises(ValueError, match="routing_replay"):  # episodes do not record their turns' experts yet
+        config_of(tiny_model_dir, rl_data, tmp_path, **{"rollout.engine": "vllm", "rl.routing_replay": "true"})
     with pytest.raises(ValueError, match="max_turn"):
         config_of(tiny_model_dir, rl_data, tmp_path, **{"env.max_turnz": 3})
     assert config_of(tiny_model_dir, rl_data, tmp_path, **{"data.eval": rl_data}).data.eval == rl_data  # episodes

@@ -12,6 +12,9 @@ module (starting one takes about a minute here): the tests share it in file orde
   worker extension, and a second rollout engine on the same server syncs by broadcast; broadcast, file and
   broadcast syncs in turn each leave the engine serving the trainer's weights; the LoRA GRPO run syncs by
   broadcast (from its own process, through ``rollout.server_url``).
+- Multi-turn episodes on the engine (``VLLMClient.generate_ids``): greedy episodes with a tool turn equal the
+  trainer's token for token, masks included; a GRPO run with ``env:`` and the engine (rollouts sampled ahead,
+  ``rl.max_staleness=1``) trains on episodes and evaluates them in process.
 - The engine killed mid-run is restarted by the (broadcasting) rollout engine, which sets up a new weight group
   and re-syncs (greedy equality holds again after the restart). Restart-then-exit-75 and resume are
   tests/rl/test_grpo_engine_failures.py's; the file method's restart, against a stand-in server,
@@ -200,6 +203,60 @@ def test_grpo_with_the_vllm_engine_finishes_and_exports(engine, model32, rl_data
     assert all((r["rollout/sync_bytes"] == tensors) == lora for r in steps)
     exported = HFBackend.from_path(out / "final", device="cpu")
     assert exported.generate(["Hi"], GREEDY, progress=False)[0][0].token_ids
+
+
+def test_episodes_on_the_engine_equal_the_trainers_token_for_token(engine):
+    """Greedy episodes with a tool turn after the first model turn (``AnswerOnce``): each later model turn continues
+    from the episode's exact ids on the engine (``generate_ids``) as in the trainer's process."""
+    from posttrain.config.env import EnvConfig
+    from posttrain.rl.multiturn import run_episodes
+    from posttrain.tasks import rl_prompts
+    from tests.rl.test_tool_runs import AnswerOnce
+
+    _train_a_little(engine.root, seed=20)
+    engine.sync(_newer(engine))  # the engine serves the trainer's weights
+    items = rl_prompts(4, 0, groups=["reasoning"])
+    config = EnvConfig(name="python:tests.rl.test_tool_runs:AnswerOnce", max_turns=2, max_turn_tokens=12)
+    params = SamplingParams(n=1, temperature=0.0, max_new_tokens=40, logprobs=True)
+    hf = HFBackend(engine.weights.lm, engine.tokenizer)
+
+    def episodes(generate):
+        groups = run_episodes(generate, engine.tokenizer, items, list(range(4)), params, config,
+                              lambda: AnswerOnce(config), max_length=256)
+        return [group[0] for group in groups]
+
+    served, trainer = episodes(engine.client.generate_ids), episodes(hf.generate_ids)
+    assert [r.completion_ids for r in served] == [r.completion_ids for r in trainer]
+    assert [r.loss_mask for r in served] == [r.loss_mask for r in trainer]
+    assert any(0 in r.loss_mask for r in served)  # a tool turn (masked) sits between the model's turns
+    assert [r.episode["turns"] for r in served] == [r.episode["turns"] for r in trainer]
+
+
+def test_grpo_with_episodes_on_the_engine(engine, model32, rl_data, tmp_path):
+    from posttrain.data.io import write_records
+    from posttrain.tasks import rl_prompts
+    from tests.rl.test_tool_runs import SETTINGS
+
+    # SETTINGS run AnswerOnce: every episode has a tool turn, masked from the loss
+
+    out, held_out = tmp_path / "run", tmp_path / "eval.jsonl"
+    write_records(str(held_out), rl_prompts(3, 0, split="eval", groups=["reasoning"]))
+    extra = {**SETTINGS, "train.max_length": 256, "train.max_steps": 2, "data.eval": str(held_out),
+             "rollout.engine": "vllm", "rollout.server_url": engine.client.url}
+    overrides = grpo_overrides(model32, rl_data, out, **extra)
+    done = subprocess.run([sys.executable, "-m", "posttrain", "grpo", "--config", "grpo_tools_tiny", *overrides],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    records = read_jsonl(out / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == [0, 1]
+    for record in steps:  # the engine sampled episodes with a masked tool turn, after syncing the weights
+        assert record["episode/turns_mean"] > 1.5 and 0 < record["episode/env_token_share"] < 1, record
+        assert record["episode/failed_share"] == 0
+    assert steps[0]["rollout/sync_bytes"] > 0  # step 1's episodes came from the same (version 0) weights: no sync
+    assert [r["rollout/staleness_max"] for r in steps] == [0, 1]  # step 1's episodes were sampled ahead, at version 0
+    evaluation = [r for r in records if "eval/reward" in r]
+    assert evaluation and evaluation[-1]["eval/prompts"] == 3 and evaluation[-1]["eval/turns_mean"] > 1
 
 
 def test_a_killed_engine_is_restarted_and_resynced(broadcasting):
