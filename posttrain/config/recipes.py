@@ -35,6 +35,19 @@ class TrainingRecipe(StrictModel):
     store: StoreConfig = Field(default_factory=StoreConfig)
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
 
+    @model_validator(mode="after")
+    def _expert_adapters_unsharded(self) -> TrainingRecipe:
+        # peft's expert adapter computes one update for all E experts of a layer and adds it to the stacked weight;
+        # under expert parallelism each rank holds E / parallel.expert of them as a DTensor shard, and an update of
+        # the whole stack cannot be added to a shard of it.
+        lora = self.model.lora
+        if lora is not None and lora.experts and self.parallel.expert > 1:
+            raise ValueError(f"model.lora.experts with parallel.expert={self.parallel.expert}: peft's expert adapters "
+                             "cover every expert of a layer and cannot be added to the expert-parallel shards; use "
+                             "parallel.expert=1 (FSDP2 shards the experts and their adapters), or "
+                             "model.lora.experts=false to adapt the attention only")
+        return self
+
 
 class SFTRecipe(TrainingRecipe):
     recipe: Literal["sft"] = "sft"

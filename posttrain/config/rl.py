@@ -169,6 +169,11 @@ class GRPORecipe(TrainingRecipe):
         if self.rollout.engine == "vllm" and lora is not None and lora.quantize != "none":
             raise ValueError("rollout.engine=vllm receives merged full-precision weights; a 4-bit QLoRA base "
                              "(model.lora.quantize=4bit) cannot be merged into them: use rollout.engine=hf")
+        if self.rollout.engine == "vllm" and lora is not None and lora.experts:
+            # posttrain.rl.weight_sync merges linear adapters only (W + s·B·A per layer), not peft's expert wrappers
+            raise ValueError("rollout.engine=vllm receives merged weights, and posttrain's weight sync merges linear "
+                             "adapters only, not model.lora.experts' expert adapters: use rollout.engine=hf, or "
+                             "model.lora.experts=false")
         if self.env is not None:
             self._check_env()
         if self.rl.routing_replay and self.rollout.engine != "hf":

@@ -26,6 +26,12 @@ class LoraConfig(StrictModel):
         description="4bit: QLoRA, the frozen base loaded in 4-bit NF4 through bitsandbytes (one process only; "
         "pip install 'posttrain[qlora]').",
     )
+    experts: bool = Field(
+        default=False,
+        description="Mixture-of-experts models only: also adapt each MoE layer's routed experts (the stacked "
+        "experts.gate_up_proj and experts.down_proj weights, a rank-r pair per expert, through peft's "
+        "target_parameters). Needs dropout 0 and parallel.expert 1; the router stays frozen (docs/moe.md).",
+    )
 
     @field_validator("target_modules")
     @classmethod
@@ -33,6 +39,15 @@ class LoraConfig(StrictModel):
         if not value:
             raise ValueError("model.lora.target_modules is empty: name the modules to adapt, or all-linear")
         return value
+
+    @model_validator(mode="after")
+    def _experts_without_dropout(self) -> LoraConfig:
+        # peft adds an expert adapter's B·A to the stacked weight itself: there is no adapter input to drop out,
+        # and peft refuses the combination (one dropout setting covers every target).
+        if self.experts and self.dropout > 0:
+            raise ValueError(f"model.lora.experts needs model.lora.dropout=0 (it is {self.dropout:g}): the expert "
+                             "adapters are added to the stacked expert weights, so no adapter input exists to drop out")
+        return self
 
 
 class MoeConfig(StrictModel):

@@ -16,6 +16,18 @@ any later one that builds its policy with ``build_policy``) into adapter trainin
   ``check_4bit_support`` tries a real quantise/dequantise round trip on the device first, so a platform
   bitsandbytes cannot serve fails at start with one line. QLoRA runs in one process: FSDP2 does not
   shard bitsandbytes' packed 4-bit weights.
+- ``experts: true`` (mixture-of-experts models only) also adapts each MoE layer's routed experts: the stacked
+  ``experts.gate_up_proj [E, 2I, H]`` and ``experts.down_proj [E, H, I]`` are ``nn.Parameter``s, not linear
+  layers, so they go to peft as ``target_parameters`` (peft's ``ParamWrapper``: a rank-r pair per expert, added
+  to the stacked weight for the forward; merges like a linear adapter). The router stays frozen.
+- ``resolve_targets``: peft >= 0.19 on transformers 5 rewrites a config for MoE models whose layout changed since
+  transformers 4 (``qwen3_moe``, ``deepseek_v3``, …) so that adapters trained on the old layout still load: it
+  reads ``all-linear`` and the names ``gate``/``gate_proj``/``up_proj``/``down_proj`` as the old per-expert linear
+  layers and router, and targets the fused experts and the router weight instead, at rank 2r for ``gate_up_proj``
+  (warning ``rank_pattern keys did not match any targeted module``). So ``all-linear`` silently adapted the
+  experts and the router and dropped DeepSeek-V3's dense MLP and shared-expert adapters. posttrain hands peft a
+  config that rewrite leaves unchanged (a fixed point, checked), so what trains is what the config says, and
+  ``PeftModel.from_pretrained`` (which rewrites again) reads the exported adapter back as it was trained.
 - ``adapter_disabled(root)``: the frozen base, for a reference model that costs no second copy (DPO's
   reference log-probs; GRPO's KL term).
 - ``export_adapter_and_merged``: ``output_dir/adapter`` (peft format: ``PeftModel.from_pretrained``) and
@@ -46,7 +58,8 @@ BNB_MISSING = "model.lora.quantize=4bit needs bitsandbytes: pip install 'posttra
 
 class LoraSetupError(RuntimeError):
     """``model.lora`` cannot be set up as asked (peft or bitsandbytes missing, 4-bit unsupported on this
-    platform or under FSDP, no module matches ``target_modules``); the one-line message says what to do."""
+    platform or under FSDP, no module matches ``target_modules``, ``experts`` on a dense model); the one-line
+    message says what to do."""
 
 
 # What bitsandbytes logs on import on a CPU with AVX512-BF16 when the `kernels` package (a fused 4-bit matmul) is
@@ -122,24 +135,108 @@ def quantization_config(lora, dtype: torch.dtype, device: torch.device | str):
                               bnb_4bit_compute_dtype=dtype)
 
 
+def expert_parameters(lm: torch.nn.Module) -> list[str]:
+    """peft ``target_parameters`` naming every MoE layer's stacked routed-expert weights (``experts.gate_up_proj``,
+    ``experts.down_proj``: module leaf name and parameter, which peft matches as a suffix); empty for a dense model.
+    Shared experts and DeepSeek-V3's dense MLP are ``nn.Linear`` layers (``all-linear``'s business), not these."""
+    from posttrain.train.expert_parallel import EXPERT_WEIGHTS, experts_modules
+
+    found = {id(module) for module in experts_modules(lm)}
+    leaves = sorted({name.rpartition(".")[2] for name, module in lm.named_modules() if id(module) in found})
+    return [f"{leaf}.{weight}" for leaf in leaves for weight in EXPERT_WEIGHTS]
+
+
+def _rewritten(config, lm: torch.nn.Module):
+    """What peft's transformers-4 compatibility rewrite makes of ``config`` on ``lm`` (a copy), or None where this
+    peft has no such rewrite. peft applies it inside ``get_peft_model`` and ``PeftModel.from_pretrained``."""
+    try:
+        from peft.utils.transformers_weight_conversion import convert_peft_config_for_transformers
+    except ImportError:  # peft before the rewrite existed: configs are taken as given
+        return None
+    probe = copy.deepcopy(config)
+    convert_peft_config_for_transformers(probe, model=lm, conversions=None)
+    return probe
+
+
+def _targets(config) -> tuple[object, set[str], dict, dict]:
+    modules = config.target_modules
+    return (modules if isinstance(modules, str) else set(modules or ()), set(config.target_parameters or ()),
+            dict(config.rank_pattern or {}), dict(config.alpha_pattern or {}))
+
+
+def resolve_targets(config, lm: torch.nn.Module, asked) -> None:
+    """Make peft's ``config`` a fixed point of peft's transformers-4 rewrite on ``lm`` (module docstring), in place.
+
+    ``all-linear`` becomes the leaf names of ``lm``'s linear layers, less those the rewrite would turn into expert
+    or router targets (DeepSeek-V3's dense MLP and shared experts share the routed experts' old names, so no
+    module list can keep them apart: they stay frozen). A list or regex the rewrite would change is refused:
+    ``LoraSetupError`` naming what to remove. ``asked`` is the user's ``target_modules``, for the message.
+    """
+    rewritten = _rewritten(config, lm)
+    if rewritten is None or _targets(rewritten) == _targets(config):
+        return
+    kind = lm.config.model_type
+    if isinstance(config.target_modules, str) and config.target_modules.lower() == "all-linear":
+        from peft.tuners.tuners_utils import _maybe_include_all_linear_layers
+
+        linear = _maybe_include_all_linear_layers(copy.deepcopy(config), lm).target_modules
+        config.target_modules = {name.rpartition(".")[2] for name in linear}
+        rewritten = _rewritten(config, lm)
+        config.target_modules = set(rewritten.target_modules)  # the names peft keeps as modules
+        if not config.target_modules:
+            raise LoraSetupError(f"model.lora.target_modules=all-linear: {kind} has no linear layer peft would adapt "
+                                 "as one; set model.lora.experts=true to adapt the routed experts")
+        if _targets(_rewritten(config, lm)) == _targets(config):
+            return
+    raise LoraSetupError(
+        f"model.lora.target_modules={asked!r}: on a {kind} model peft {_peft().__version__} reads "
+        f"{sorted(_targets(config)[0] - _targets(rewritten)[0]) or 'them'} as transformers-4 names of the fused "
+        "experts and the router and would adapt those instead; leave them out (model.lora.experts=true adapts the "
+        "routed experts)")
+
+
 def apply_lora(lm: torch.nn.Module, lora, task: str = "CAUSAL_LM") -> torch.nn.Module:
     """Wrap ``lm`` in a peft model with ``lora``'s adapters; everything but the adapters is frozen.
 
     ``task``: ``CAUSAL_LM``, or ``SEQ_CLS`` for a reward model (its ``score`` head trains in full, through
-    ``modules_to_save``).
+    ``modules_to_save``). ``lora.experts`` adds the routed experts' stacked weights (``LoraSetupError`` on a
+    model without them).
     """
     peft = _peft()
+    parameters = expert_parameters(lm) if lora.experts else []
+    if lora.experts and not parameters:
+        raise LoraSetupError(f"model.lora.experts is set but this {lm.config.model_type} model has no routed experts "
+                             "(no stacked gate_up_proj/down_proj): remove model.lora.experts for a dense model")
     config = peft.LoraConfig(
         r=lora.r, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
         target_modules=lora.target_modules if isinstance(lora.target_modules, str) else list(lora.target_modules),
+        target_parameters=parameters or None,
         task_type=task, modules_to_save=["score"] if task == "SEQ_CLS" else None,
     )
+    resolve_targets(config, lm, lora.target_modules)
     try:
         with warnings.catch_warnings():  # peft asks transformers a question transformers 5 renamed
             warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.* is deprecated")
             return peft.get_peft_model(lm, config)
     except ValueError as exc:  # e.g. "Target modules {...} not found in the base model"
         raise LoraSetupError(f"model.lora.target_modules={lora.target_modules!r}: {exc}") from None
+
+
+def check_lora_model(model_config) -> None:
+    """``model.lora.experts`` against ``model.path``'s config (``config.json`` only, no weights), before any run
+    state is written: on a dense model it is ``LoraSetupError``, never a silently ignored switch."""
+    lora = model_config.lora
+    if lora is None or not lora.experts:
+        return
+    from transformers import AutoConfig
+
+    from posttrain.models.moe import num_experts
+
+    hf = AutoConfig.from_pretrained(model_config.path, trust_remote_code=model_config.trust_remote_code)
+    if num_experts(hf) is None:
+        raise LoraSetupError(f"model.lora.experts is set but {model_config.path} is a dense {hf.model_type} model "
+                             "(no routed experts): remove model.lora.experts, or point model.path at a "
+                             "mixture-of-experts model")
 
 
 def held_values(param: torch.Tensor) -> int:
@@ -157,13 +254,20 @@ def parameter_counts(lm: torch.nn.Module) -> tuple[int, int]:
     return sum(held_values(p) for p in params if p.requires_grad), sum(held_values(p) for p in params)
 
 
-def describe(lora, trainable: int, total: int) -> str:
-    """One line for the run's start: what trains, out of how much."""
+def describe(lora, trainable: int, total: int, lm: torch.nn.Module | None = None) -> str:
+    """One line for the run's start: what trains, out of how much. With the peft model ``lm`` of a
+    mixture-of-experts model, ``all-linear`` is spelled out (``resolve_targets`` may leave names out there)."""
     if lora is None:
         return f"{total / 1e6:.2f}M parameters, all trainable (full fine-tuning)"
     base = "4-bit NF4 base (QLoRA)" if lora.quantize == "4bit" else "frozen base"
+    targets = f"{lora.target_modules}"
+    config = lm.peft_config[lm.active_adapter] if lm is not None and is_lora(lm) else None
+    if config is not None and expert_parameters(lm) and isinstance(lora.target_modules, str):
+        targets += f" ({', '.join(sorted(config.target_modules))})"
+    if lora.experts:
+        targets += " and the routed experts (gate_up_proj, down_proj)"
     return (f"{total / 1e6:.2f}M parameters, {trainable / 1e6:.3f}M trainable ({100 * trainable / total:.2f}%): "
-            f"LoRA r={lora.r} alpha={lora.alpha:g} on {lora.target_modules}, {base}")
+            f"LoRA r={lora.r} alpha={lora.alpha:g} on {targets}, {base}")
 
 
 @contextmanager

@@ -20,7 +20,7 @@ read) decides:
   changed) → **refuse**: the checkpoint's data position indexes the old records, so the run would go on
   with other examples than it claims. A *moved* dataset with the same content (another path, or another
   bucket) resumes, with the usual warning about the changed key;
-- ``model.lora`` switched on or off, or its ``r``, ``alpha``, ``target_modules`` or ``quantize`` changed →
+- ``model.lora`` switched on or off, or its ``r``, ``alpha``, ``target_modules``, ``quantize`` or ``experts`` changed →
   **refuse** as well: a LoRA checkpoint holds only the adapters, whose shapes and meaning these settings
   fix (``dropout`` may change, with the warning below);
 - other config keys differ → resume, with a warning that names every changed key;
@@ -64,7 +64,9 @@ NOT_IDENTITY = ({"output_dir", "metrics", "alerts", "store", "parallel"},
                  "health": {"stall_timeout_s"},
                  "debug": {"crash_at_step", "crash_rank", "hang_at_step", "hang_rank", "log_unit_ids"}})
 # model.lora settings that fix what a checkpoint's adapter weights are (dropout does not).
-LORA_KEYS = ("r", "alpha", "target_modules", "quantize")
+LORA_KEYS = ("r", "alpha", "target_modules", "quantize", "experts")
+# What a key means in a config written before it existed (model.lora.experts came later: no expert adapters).
+LORA_KEY_ABSENT = {"experts": False}
 ARCHITECTURE_KEYS = ("model_type", "architectures", "hidden_size", "num_hidden_layers", "num_attention_heads",
                      "num_key_value_heads", "intermediate_size", "vocab_size", "tie_word_embeddings")
 # Files of a run directory that ``train.resume=never`` moves aside before starting over.
@@ -170,7 +172,8 @@ def _check_model(saved: dict[str, Any], current: RunIdentity, where: str, output
         raise ResumeError(f"{where} was written by {before} and this run is {after} (model.lora "
                           f"{'unset' if old_lora is None else 'set'} → {'unset' if new_lora is None else 'set'}); {fix}")
     if old_lora is not None:
-        changed = [key for key in LORA_KEYS if old_lora.get(key) != new_lora.get(key)]
+        changed = [key for key in LORA_KEYS
+                   if old_lora.get(key, LORA_KEY_ABSENT.get(key)) != new_lora.get(key, LORA_KEY_ABSENT.get(key))]
         if changed:
             diff = ", ".join(f"model.lora.{key} {old_lora.get(key)} → {new_lora.get(key)}" for key in changed)
             raise ResumeError(f"{where} holds adapters of other LoRA settings ({diff}); {fix}")

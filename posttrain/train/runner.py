@@ -41,6 +41,7 @@ from posttrain.models.load import DTYPES, check_model_path, load_model, load_tok
 from posttrain.models.lora import (
     LoraSetupError,
     apply_lora,
+    check_lora_model,
     describe,
     export_adapter_and_merged,
     parameter_counts,
@@ -139,6 +140,7 @@ def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], Non
     """
     check_model_path(config.model.path)  # a mistyped path or an unreachable hub id fails here, before any run state
     check_moe_model(config.model)  # so does model.moe on a model that cannot use it (a dense one)
+    check_lora_model(config.model)  # and model.lora.experts on a dense model
     dist.init_distributed()
     if config.model.liger:  # so do kernels that cannot run here, on every rank, before any data or weight is read
         check_liger(config.model.path, config.model.trust_remote_code, config.train.recompute_mlp, dist.device())
@@ -254,7 +256,7 @@ def build_policy(
         activation_checkpointing=train.activation_checkpointing, ac_every=train.ac_every,
         recompute_mlp=train.recompute_mlp, compile=train.compile, expert=config.parallel.expert,
     )
-    say(f"model {config.model.path}: {describe(lora, trainable, total)}; {applied}")
+    say(f"model {config.model.path}: {describe(lora, trainable, total, lm)}; {applied}")
     return root, lm, tokenizer
 
 
