@@ -177,8 +177,9 @@ class GRPORecipe(TrainingRecipe):
         if self.env is not None:
             self._check_env()
         if self.rl.routing_replay and self.rollout.engine != "hf":
-            # vLLM 0.32 can return them (--enable-return-routed-experts, CompletionOutput.routed_experts), but
-            # posttrain's vLLM engine does not ask for them yet: refused rather than trained without replay
+            # vLLM 0.32 can return them (--enable-return-routed-experts, CompletionOutput.routed_experts) only through
+            # its Model Runner V2 (VLLM_USE_V2_MODEL_RUNNER=1), which needs Triton: not on vLLM-CPU, so nothing here
+            # could test it. Refused rather than trained without replay (docs/moe.md).
             raise ValueError(f"rl.routing_replay records the experts of each sampled token, which only "
                              f"rollout.engine=hf does in posttrain (got rollout.engine={self.rollout.engine}); set "
                              "rollout.engine=hf, or rl.routing_replay=false")
