@@ -58,7 +58,8 @@ def _column(rows: list[dict[str, Any]], key: str) -> list[Any] | None:
 def training_series(run_dir: Path, notes: list[str] | None = None) -> dict[str, Any] | None:
     """The curves of one training run (``output_dir`` of sft / pretrain / dpo / rm / grpo): loss, gradient
     norm and learning rate per step; examples drawn per tier; the preference margin and accuracy (DPO
-    family: ``rewards/accuracy``, RM: ``accuracy``); GRPO's reward and pass rates; the held-out figures
+    family: ``rewards/accuracy``, RM: ``accuracy``); GRPO's reward and pass rates, and with ``env:`` its episodes'
+    tool-call rate, turns, tool-error and failed shares (``episodes``); the held-out figures
     logged every ``train.eval_every`` (``eval``) and before / after training (``eval.json``)."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
@@ -78,6 +79,9 @@ def training_series(run_dir: Path, notes: list[str] | None = None) -> dict[str, 
     moe = _expert_load(steps)
     if moe:
         series["moe"] = moe
+    episode_keys = ("episode/tool_call_rate", "episode/turns_mean", "episode/tool_error_share", "episode/failed_share")
+    if any(k in r for r in steps for k in episode_keys):  # GRPO with env: (docs/agentic.md)
+        series["episodes"] = {k.removeprefix("episode/"): [r.get(k) for r in steps] for k in episode_keys}
     pass_keys = sorted({k for r in steps for k in r if k.startswith("pass@1/tier_")})
     if pass_keys:
         series["pass_by_tier"] = {k.removeprefix("pass@1/"): [r.get(k) for r in steps] for k in pass_keys}

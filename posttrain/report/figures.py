@@ -122,6 +122,31 @@ def rl_figure(series: dict[str, Any], label: str):
     return fig
 
 
+def episodes_figure(series: dict[str, Any], label: str):
+    """Multi-turn GRPO (``env:``): per step, the share of sampled episodes that called the tool, the mean model turns
+    per episode, and the shares of tool calls that failed and of episodes that failed (reward 0); the held-out
+    greedy episodes' tool-call rate where ``data.eval`` logged it. Reward by tier is ``rl_figure``'s panel."""
+    import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
+
+    episodes = series["episodes"]
+    fig = make_subplots(rows=1, cols=2, subplot_titles=("tool use (shares)", "model turns per episode"))
+    for key, name in (("tool_call_rate", "tool-call rate"), ("tool_error_share", "tool errors / calls"),
+                      ("failed_share", "failed episodes")):
+        if any(v is not None for v in episodes[key]):
+            fig.add_trace(go.Scatter(x=series["step"], y=episodes[key], name=name, mode="lines"), row=1, col=1)
+    held_out = series.get("eval") or {}
+    if held_out.get("tool_call_rate"):
+        fig.add_trace(go.Scatter(x=held_out["step"], y=held_out["tool_call_rate"], name="held-out tool-call rate",
+                                 mode="lines+markers"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=series["step"], y=episodes["turns_mean"], name="turns (mean)", mode="lines"),
+                  row=1, col=2)
+    fig.update_yaxes(range=UNIT_RANGE, row=1, col=1)
+    fig.update_xaxes(title_text=f"{label} step")
+    fig.update_layout(title=f"{label}: episodes (tool calls, turns, failures)")
+    return fig
+
+
 def expert_load_figure(series: dict[str, Any], label: str):
     """A mixture of experts' balance as a heat map, MoE layer × step: the busiest expert's tokens over the mean
     (1 is perfect balance; K·E/K = E would be every token on one expert), with the entropy on hover."""
@@ -150,6 +175,8 @@ def training_figures(series: dict[str, Any] | None, label: str, prefix: str) -> 
         figures.append((f"{prefix}-preference", preference_figure(series, label)))
     if series.get("reward"):
         figures.append((f"{prefix}-rl", rl_figure(series, label)))
+    if series.get("episodes"):
+        figures.append((f"{prefix}-episodes", episodes_figure(series, label)))
     if series.get("moe"):
         figures.append((f"{prefix}-expert-load", expert_load_figure(series, label)))
     return figures

@@ -123,3 +123,18 @@ def test_two_ranks_train_on_episodes_like_one(uninterrupted, tiny_model_dir, rl_
     one, two = eval_of(uninterrupted), eval_of(out)  # 2 held-out prompts per rank, summed over ranks
     for key in ("eval/prompts", "eval/tool_call_rate", "eval/turns_mean"):
         assert two[key] == one[key], key
+
+
+def test_the_report_shows_the_episodes(uninterrupted):
+    """The run's HTML report has the episodes panel: per-step tool-call rate, turns, tool-error and failed shares
+    (and the held-out tool-call rate), drawn from metrics.jsonl."""
+    from posttrain.report import write_report
+    from posttrain.report.collect import training_series
+
+    series = training_series(uninterrupted)
+    steps = steps_of(uninterrupted)
+    assert series["episodes"]["tool_call_rate"] == [r["episode/tool_call_rate"] for r in steps]
+    assert series["episodes"]["turns_mean"] == [r["episode/turns_mean"] for r in steps]
+    assert series["eval"]["tool_call_rate"] == [eval_of(uninterrupted)["eval/tool_call_rate"]]
+    html = open(write_report(uninterrupted)["html"]).read()
+    assert "chart-" in html and "episodes (tool calls, turns, failures)" in html
