@@ -154,8 +154,11 @@ def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], Non
     plan: ResumePlan | Exception | None = None
     identity, attempt, lock = None, "", None
     if dist.is_main():
-        identity, attempt = RunIdentity.of(config), uuid.uuid4().hex[:12]
+        attempt = uuid.uuid4().hex[:12]
         try:
+            # inside the try: hashing the data (remote data included) can fail on rank 0 alone, and the other
+            # ranks would then wait in the broadcast below for ever
+            identity = RunIdentity.of(config)
             release_held()  # a process trains one run at a time: an earlier run's lock here is over
             # Makes the directory; another run in it, or a directory that cannot be written, is exit 2.
             lock = lock_run(store)
