@@ -56,6 +56,23 @@ def test_chat_pairs_given_to_dpo_stop_the_same_way(tiny_model_dir, tmp_path, cap
     assert "the training set is empty" in line and "Detected format: messages (4)" in line
 
 
+@pytest.mark.parametrize(("command", "config", "what"), [("dpo", "dpo_tiny", "training set"),
+                                                         ("rm", "rm_tiny", "training set"),
+                                                         ("grpo", "grpo_tiny", "prompt set")])
+def test_wrong_kind_data_stops_before_any_run_state_or_model_load(command, config, what, tiny_model_dir, tmp_path,
+                                                                 capsys):
+    """Chats given to DPO, RM or GRPO: the start's look at the data (``peek_data``) refuses them before the run's
+    directory, lock or config.yaml exist, and before any weight is read."""
+    data = write_lines(tmp_path / "chats.jsonl", [CHAT] * 4)
+    out = tmp_path / "run"
+    argv = [command, "--config", config, f"model.path={tiny_model_dir}", f"data.train={data}", "data.eval=null",
+            f"output_dir={out}", "train.max_steps=2"]
+    assert main(argv) == 2
+    line = one_line_error(capsys)
+    assert f"the {what} is empty" in line and "Detected format: messages (4)" in line
+    assert not out.exists()  # nothing written: no directory, lock, config.yaml or quarantine file
+
+
 def test_an_assistant_first_chat_is_quarantined_and_sft_trains_on_the_rest(tiny_model_dir, tmp_path, capsys):
     opener = {"messages": [{"role": "assistant", "content": "Hello!"}, *CHAT["messages"]]}
     data = write_lines(tmp_path / "train.jsonl", [CHAT, opener, CHAT, CHAT])

@@ -67,6 +67,7 @@ from posttrain.train.runner import (
     export_final,
     finish,
     loop_settings,
+    peek_data,
     say,
     start_run,
 )
@@ -355,7 +356,7 @@ def write_eval(output_dir: Path, step: int, before: dict, after: dict, shown: tu
 
 
 def run_dpo(config: DPORecipe) -> int:
-    run = start_run(config)
+    run = start_run(config, check_data=lambda c: peek_data(c, "preference"))  # bad data stops before any run state
     try:
         if run.finished:
             return 0

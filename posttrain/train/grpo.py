@@ -36,7 +36,15 @@ from posttrain.store.run_store import working_dir
 from posttrain.train.loop import train
 from posttrain.train.parallelize import parallelize, uses_fsdp
 from posttrain.train.precision import autocast
-from posttrain.train.runner import build_policy, export_final, finish, loop_settings, say, start_run
+from posttrain.train.runner import (
+    build_policy,
+    export_final,
+    finish,
+    loop_settings,
+    peek_data,
+    say,
+    start_run,
+)
 from posttrain.train.sft import curriculum_items
 from posttrain.train.stream import Difficulty
 
@@ -255,9 +263,11 @@ def build_grpo(config: GRPORecipe, rewards: RewardFunction) -> GRPOParts:
     return GRPOParts(root, lm, tokenizer, source, eval_prompts, engine, replay, episodes)
 
 
-def check_routing_replay(config: GRPORecipe) -> None:
-    """``rl.routing_replay`` against ``model.path``'s config (no weights), before any run state is written: a dense
-    model, or an MoE architecture without a replay gate, is ``MoeConfigError``."""
+def check_grpo_start(config: GRPORecipe) -> None:
+    """``start_run``'s checks, before any run state is written: the prompts (``peek_data``), and ``rl.routing_replay``
+    against ``model.path``'s config (no weights): a dense model, or an MoE architecture without a replay gate, is
+    ``MoeConfigError``."""
+    peek_data(config, "rl", ("prompt set", "eval prompt set"))
     if not config.rl.routing_replay:
         return
     from transformers import AutoConfig
@@ -275,7 +285,7 @@ def routing_replay(config: GRPORecipe, lm: torch.nn.Module) -> RoutingReplay:
 
 
 def run_grpo(config: GRPORecipe) -> int:
-    run = start_run(config, check_data=check_routing_replay)
+    run = start_run(config, check_data=check_grpo_start)
     try:
         if run.finished:
             return 0

@@ -58,6 +58,7 @@ from posttrain.train.runner import (
     export_final,
     finish,
     loop_settings,
+    peek_data,
     say,
     start_run,
 )
@@ -240,7 +241,7 @@ def reward_evaluator(config: RewardModelRecipe, pairs: list[TokenizedPair], pad_
 
 
 def run_reward_model(config: RewardModelRecipe) -> int:
-    run = start_run(config)
+    run = start_run(config, check_data=lambda c: peek_data(c, "preference"))  # bad data stops before any run state
     try:
         if run.finished:
             return 0

@@ -27,6 +27,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -188,6 +189,24 @@ def start_run(config: TrainingRecipe, check_data: Callable[[TrainingRecipe], Non
     if store.remote and dist.is_main():
         say(f"run store {store.url} (local mirror {store.local})")
     return Run(config, store.local, identity, plan, store, attempt, lock)
+
+
+def peek_data(config: TrainingRecipe, kind: str, names: tuple[str, str] = ("training set", "eval set")) -> dict[str, Any]:
+    """``start_run``'s look at a recipe's data, before the run writes anything or loads the model: each local file
+    (``data.train``, ``data.eval``) read as far as ``peek_records`` judges it — its first bad record under
+    ``data.on_error: raise`` raises here — and a file read whole must be usable (``ReadReport.check_usable``).
+    Returns the peeks of the files read whole, by path, for recipe-specific checks (SFT's curriculum). A longer
+    or remote file is judged by the full read, before the model loads."""
+    from posttrain.data.io import peek_records
+
+    data, whole = config.data, {}
+    for path in (data.train, getattr(data, "eval", None)):
+        peek = peek_records(path, kind, data.format, data.on_error, data.max_record_bytes) if path else None
+        if peek is None or not peek.complete:
+            continue
+        peek.report.check_usable(names[0] if path == data.train else names[1])  # the full read's words
+        whole[path] = peek
+    return whole
 
 
 def batch_geometry(config: TrainingRecipe) -> BatchGeometry:

@@ -19,7 +19,7 @@ from posttrain import dist
 from posttrain.algorithms.sft import sft_loss
 from posttrain.config.recipes import SFTRecipe
 from posttrain.data.errors import DataError
-from posttrain.data.io import peek_records, read_records
+from posttrain.data.io import read_records
 from posttrain.data.packing import PackedRow, collate_packed, collate_padded, pack_examples
 from posttrain.data.records import SFTExample
 from posttrain.data.tokenize import TokenizedExample, tokenize_records
@@ -35,6 +35,7 @@ from posttrain.train.runner import (
     export_final,
     finish,
     loop_settings,
+    peek_data,
     say,
     start_run,
 )
@@ -62,17 +63,11 @@ def _what(config: SFTRecipe, path: str) -> str:
 
 
 def check_sft_data(config: SFTRecipe) -> None:
-    """``start_run``'s data check, before the run writes anything or loads the model: each local file as far as
-    ``peek_records`` can judge it — its first bad record under ``on_error: raise``, and for a file it read whole,
-    ``check_usable`` and the curriculum's refusal. A longer file is judged by ``read_sft``, before the model loads."""
-    for path in (config.data.train, config.data.eval):
-        peek = peek_records(path, "sft", config.data.format, config.data.on_error,
-                            config.data.max_record_bytes) if path else None
-        if peek is None or not peek.complete:
-            continue
-        peek.report.check_usable(_what(config, path))
-        if path == config.data.train:
-            checked_curriculum(config, [Difficulty(r.tier, r.difficulty) for r in peek.records])
+    """``start_run``'s data check (``peek_data``), and for a training file read whole the curriculum's refusal. A
+    longer file is judged by ``read_sft``, before the model loads."""
+    peeks = peek_data(config, "sft")
+    if config.data.train in peeks:
+        checked_curriculum(config, [Difficulty(r.tier, r.difficulty) for r in peeks[config.data.train].records])
 
 
 def read_sft(config: SFTRecipe, path: str, quarantine_suffix: str) -> list[SFTExample]:
