@@ -12,10 +12,8 @@ not depend on the executor or the number of workers.
 
 from __future__ import annotations
 
-import multiprocessing
 import pickle
 from collections.abc import Callable, Sequence
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from typing import Any
 
 from posttrain.curate.config import ExecutorConfig
@@ -37,6 +35,10 @@ def run_tasks(
         return [fn(task) for task in progress_bar(tasks, desc=desc, unit="shard", disable=not progress)]
     if config.kind == "ray":
         return _run_ray(fn, tasks, config, desc, progress)
+    # Imported here: 30-60 ms of start-up that a run in this process (workers: 0) does not need.
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
     results: list[Any] = [None] * len(tasks)
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=min(config.workers, len(tasks)), mp_context=context) as pool:

