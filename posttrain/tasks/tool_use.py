@@ -9,13 +9,24 @@ answers it:
 - tier 1 ``multiply_large``: a product of two 4-digit numbers (``print(4821 * 7390)``);
 - tier 2 ``long_sum``: a sum of eight 3-digit numbers (``print(381 + 912 + ...)``);
 - tier 3 ``count_letter``: how often a letter occurs in a 32-letter string (``print('abdc...'.count('b'))``).
+
+**Transcripts** (``tool_transcripts``): SFT examples that teach the call format before RL (a random tiny model
+never writes ``<python>``, so GRPO has nothing to raise). A tool-using transcript is the episode a correct policy
+has, as chat messages: the tool format's instructions as a system message (what ``episode_prompt_ids`` puts
+first when the template does not render ``tools``), the question, the call, a ``tool`` message holding what the
+call prints (``answer + "\n"``: stdout, as the Python tool returns it), and the answer. The chat template renders
+the ``tool`` message as the same tool turn the episode loop appends (``posttrain.rl.multiturn.tool_turn``), and
+SFT trains assistant turns only, so the tool's output is context, never a target (tests/rl/test_tool_transcripts.py
+checks both against a real episode). A direct transcript answers at once, with no call; ``tool_share`` sets the mix.
 """
 
 from __future__ import annotations
 
 import random
+import re
 
-from posttrain.tasks.problem import Problem, canonical_key, register_family
+from posttrain.data.records import Message, SFTExample, assistant, user
+from posttrain.tasks.problem import Problem, canonical_key, register_family, sample_problems
 from posttrain.tasks.reasoning import NUMERIC, _off_by_a_little
 
 GROUP = "tool_use"
@@ -51,3 +62,46 @@ def count_letter(rng: random.Random) -> Problem:
     key = canonical_key("count_letter", letter, text)
     return _numeric("count_letter", 3, key, f"How many times does the letter {letter} appear in {text}?", count,
                     f"The letter {letter} appears {count} times in {text}.")
+
+
+def tool_program(problem: Problem) -> str:
+    """The one Python program that answers a ``tool_use`` problem (what a correct call runs)."""
+    counting = re.fullmatch(r"How many times does the letter (\w) appear in (\w+)\?", problem.prompt)
+    if problem.family == "count_letter" and counting:
+        return f"print({counting.group(2)!r}.count({counting.group(1)!r}))"
+    if problem.family in ("multiply_large", "long_sum") and problem.prompt.startswith("What is "):
+        return f"print({problem.prompt.removeprefix('What is ').removesuffix('?')})"
+    raise ValueError(f"not a tool_use problem: {problem.family} {problem.prompt!r}")
+
+
+def tool_transcript(problem: Problem, instructions: str | None, use_tool: bool = True) -> SFTExample:
+    """One SFT transcript (see the module docstring): ``[system(instructions)], user, assistant(<python>call</python>),
+    tool(printed), assistant("Answer: <answer>")`` with ``use_tool``, else ``[system], user, assistant("Answer: <answer>")``:
+    both kinds of answer start alike, so the warm start's first token is a choice between ``<python>`` (the call, with
+    the transcripts' share of the probability) and ``Answer`` — greedy decoding calls the tool where the share is
+    above one half, and RL can move that choice. The numeric verifier reads the number after "answer:".
+    ``instructions``: the tool format's (``TOOL_FORMATS.get(name)().instructions``); ``None`` for no system message
+    (a recipe with ``env.instructions: false``). ``meta.tool_call`` says which kind it is."""
+    messages = [Message(role="system", content=instructions)] if instructions else []
+    messages.append(user(problem.prompt))
+    if use_tool:
+        messages += [assistant(f"<python>{tool_program(problem)}</python>"),
+                     Message(role="tool", content=problem.answer + "\n"), assistant(f"Answer: {problem.answer}")]
+    else:
+        messages.append(assistant(f"Answer: {problem.answer}"))
+    return SFTExample(messages=messages, tier=problem.tier,
+                      meta={"group": problem.group, "family": problem.family, "task_key": problem.key,
+                            "tool_call": use_tool})
+
+
+def tool_transcripts(n: int, seed: int, instructions: str | None, tool_share: float = 1.0,
+                     tiers: tuple[int, ...] | list[int] | None = None) -> list[SFTExample]:
+    """``n`` transcripts of distinct train-split problems (``tiers``: all by default), ``round(n * tool_share)`` of
+    them tool-using and the rest direct answers, which ones chosen by a seeded shuffle (so the choice carries no
+    signal about the problem). A share below 1 leaves RL room: the warm-started model calls the tool only
+    sometimes, and a tiny model's direct answer to these problems is almost always wrong."""
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"tool_share must be in [0, 1], got {tool_share}")
+    problems = sample_problems(n, seed, split="train", groups=[GROUP], tiers=tiers, stream="tool_transcripts")
+    with_tool = set(random.Random(f"{seed}:tool_share").sample(range(n), round(n * tool_share)))
+    return [tool_transcript(p, instructions, i in with_tool) for i, p in enumerate(problems)]
