@@ -263,3 +263,59 @@ def test_grpo_tools_tiny_runs_two_steps(tiny_model_dir, rl_data, tmp_path):
     assert len(evals) == 1 and evals[0]["eval/prompts"] == 3 and evals[0]["eval/failed_share"] == 0
     assert evals[0]["eval/turns_mean"] >= 1 and 0 <= evals[0]["eval/tool_call_rate"] <= 1
     assert (out / "final").exists()
+
+
+# A ChatML template in Qwen 2.5's layout for tools (written here, not copied): the tool schemas in the system turn
+# inside <tools>, and a tool message rendered as a *user* turn wrapped in <tool_response>.
+QWEN_STYLE = (
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages[0].role == 'system' %}{{ messages[0].content }}{% else %}You are a helpful assistant.{% endif %}"
+    "\n\n# Tools\n\n<tools>\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}</tools>\n\n"
+    "Call a function inside <tool_call></tool_call> tags.<|im_end|>\n"
+    "{% elif messages[0].role == 'system' %}<|im_start|>system\n{{ messages[0].content }}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'tool' %}<|im_start|>user\n<tool_response>\n{{ message.content }}\n</tool_response>"
+    "<|im_end|>\n"
+    "{% elif message.role != 'system' %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+class HermesEcho(EchoEnv):
+    def step(self, text):
+        if "<tool_call>" in text:
+            return EnvStep("10063", info={"tool_call": True, "tool_status": "ok", "tool_s": 0.0})
+        return EnvStep(done=True)
+
+
+def test_a_qwen_style_template_gets_its_own_tool_turn_and_the_tool_schema(tiny_model_dir):
+    """With the ``hermes`` format on a template that renders ``tools`` and a ``tool`` role (Qwen 2.5's layout): the
+    schema goes through ``apply_chat_template(tools=…)`` (no instructions message), the tool turn is the template's
+    user-role ``<tool_response>`` block, and it is masked from the loss."""
+    from posttrain.models.load import load_tokenizer
+    from posttrain.rl.multiturn import episode_prompt_ids
+    from posttrain.rl.tools import TOOL_FORMATS
+
+    tokenizer = load_tokenizer(tiny_model_dir)  # its own object: the session's tokenizer keeps its template
+    tokenizer.chat_template = QWEN_STYLE
+    before, after = tool_turn(tokenizer)
+    assert (before, after) == ("<|im_end|>\n<|im_start|>user\n<tool_response>\n",
+                               "\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+    hermes = TOOL_FORMATS.get("hermes")()
+    prompt = tokenizer.decode(episode_prompt_ids(tokenizer, ITEM.prompt, hermes, instructions=True))
+    assert "<tools>" in prompt and '"name": "python"' in prompt and prompt.endswith("<|im_start|>assistant\n")
+    assert hermes.instructions not in prompt  # the template took the schema: no extra system message
+
+    call = '<tool_call>{"name": "python", "arguments": {"code": "print(347 * 29)"}}</tool_call>'
+    settings = EnvConfig(name="python:tests.rl.test_multiturn:HermesEcho", tool_format="hermes", max_turn_tokens=80)
+    params = SamplingParams(n=1, temperature=1.0, max_new_tokens=200, seed=5, logprobs=True)
+    policy = Scripted(tokenizer, [call, "10063"])
+    [[rollout]] = run_episodes(policy, tokenizer, [ITEM], [0], params, settings, lambda: HermesEcho(settings))
+    ids = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    observation = ids(before + "10063" + after)
+    model_1, model_2 = ids(call), ids("10063") + [tokenizer.eos_token_id]
+    assert policy.calls[0][2].stop == ["</tool_call>"]
+    assert rollout.completion_ids == model_1 + observation + model_2
+    assert rollout.loss_mask == [1] * len(model_1) + [0] * len(observation) + [1] * len(model_2)
+    assert rollout.episode["tool_calls"] == 1 and rollout.episode["turns"] == 2
