@@ -109,9 +109,13 @@ def test_gaming_the_verdict_through_the_tool_scores_zero(tool, tmp_path):
     from posttrain.rl.rewards import RewardFunction
 
     item = RLPrompt(prompt=[user("Write add(a, b).")], tests="assert add(2, 3) == 5", verifier="code")
+    from tests.security.test_code_gaming import SOLUTION_TRICKS
+
     attempts = ["import atexit, os\natexit.register(lambda: os._exit(0))\nprint('passed')",
                 "open('/work/verdict.json', 'w').write('{\"status\": \"ok\"}')\nprint('ok')",
-                "import builtins\nbuiltins.AssertionError = Exception\nprint('patched')"]
+                "import builtins\nbuiltins.AssertionError = Exception\nprint('patched')",
+                # and every trick the verifier resists in a solution, run as a call (tests/security/test_code_gaming.py)
+                *SOLUTION_TRICKS.values()]
     outputs = [tool.run(code).text for code in attempts]
     config = RewardConfig.model_validate({"terms": [{"kind": "verifier", "weight": 1.0}], "workers": 0})
     with RewardFunction(config) as rewards:
