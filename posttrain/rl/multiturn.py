@@ -313,7 +313,7 @@ class EpisodeRollouts:
         # one tool (the sandbox checked once) and one format for every episode of the built-in environment
         shared = {"tool": PythonTool.from_config(config.python), "tool_format": TOOL_FORMATS.get(config.tool_format)()} \
             if not config.name.startswith("python:") else {}
-        self._make_env = lambda: make_env(config, **shared)
+        self.make_env = lambda: make_env(config, **shared)
 
     def _episodes(self, prompts: Sequence[RLPrompt], keys: Sequence[int], params: SamplingParams) -> list:
         """``run_episodes`` on the live weights (gathered once under FSDP2), in evaluation mode, as sampling is."""
@@ -330,7 +330,7 @@ class EpisodeRollouts:
                     return backend.generate_ids(ids, seeds, turn_params, batch_size=self.batch_size)
 
                 return run_episodes(generate, self.tokenizer, list(prompts), list(keys), params, self.config,
-                                    self._make_env, max_length=self.max_length)
+                                    self.make_env, max_length=self.max_length)
         finally:
             self.root.train(was_training)
 
@@ -383,7 +383,7 @@ class EngineEpisodes:
         def job(client) -> tuple[list[list[Rollout]], float]:
             started = time.perf_counter()
             groups = run_episodes(client.generate_ids, local.tokenizer, prompts, keys, params, local.config,
-                                  local._make_env, max_length=local.max_length)
+                                  local.make_env, max_length=local.max_length)
             return groups, time.perf_counter() - started
 
         return self.engine.submit_job(job, version)

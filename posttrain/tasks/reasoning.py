@@ -22,15 +22,18 @@ def _off_by_a_little(problem: Problem, rng: random.Random) -> str:
     return str(rng.choice(candidates))
 
 
-def _numeric(family: str, tier: int, key: str, prompt: str, answer: int, statement: str) -> Problem:
-    return Problem(family, GROUP, tier, key, prompt, str(answer), "numeric", dict(NUMERIC), statement)
+def numeric_problem(family: str, tier: int, key: str, prompt: str, answer: int, statement: str,
+                    group: str = GROUP) -> Problem:
+    """A problem whose answer is an integer, checked by the ``numeric`` verifier (``NUMERIC``); other groups whose
+    answers are integers (``tool_use``) build theirs here too."""
+    return Problem(family, group, tier, key, prompt, str(answer), "numeric", dict(NUMERIC), statement)
 
 
 @register_family("add", GROUP, 1, "What is 7 + 5? -> 12", _off_by_a_little)
 def add(rng: random.Random) -> Problem:
     a, b = rng.randint(0, 50), rng.randint(0, 50)
     key = canonical_key("add", sorted((a, b)))
-    return _numeric("add", 1, key, f"What is {a} + {b}?", a + b, f"{a} + {b} = {a + b}.")
+    return numeric_problem("add", 1, key, f"What is {a} + {b}?", a + b, f"{a} + {b} = {a + b}.")
 
 
 @register_family("subtract", GROUP, 1, "What is 9 - 4? -> 5", _off_by_a_little)
@@ -38,7 +41,7 @@ def subtract(rng: random.Random) -> Problem:
     a = rng.randint(1, 50)
     b = rng.randint(0, a)
     key = canonical_key("subtract", a, b)
-    return _numeric("subtract", 1, key, f"What is {a} - {b}?", a - b, f"{a} - {b} = {a - b}.")
+    return numeric_problem("subtract", 1, key, f"What is {a} - {b}?", a - b, f"{a} - {b} = {a - b}.")
 
 
 @register_family("add_subtract", GROUP, 2, "What is 7 + 5 - 3? -> 9", _off_by_a_little)
@@ -47,7 +50,7 @@ def add_subtract(rng: random.Random) -> Problem:
     c = rng.randint(0, a + b)
     key = canonical_key("add_subtract", sorted((a, b)), c)
     value = a + b - c
-    return _numeric("add_subtract", 2, key, f"What is {a} + {b} - {c}?", value, f"{a} + {b} - {c} = {value}.")
+    return numeric_problem("add_subtract", 2, key, f"What is {a} + {b} - {c}?", value, f"{a} + {b} - {c} = {value}.")
 
 
 def _the_other_number(problem: Problem, rng: random.Random) -> str:
@@ -62,7 +65,7 @@ def larger(rng: random.Random) -> Problem:
     a, b = rng.sample(range(10, 100), 2)
     key = canonical_key("larger", sorted((a, b)))
     high, low = max(a, b), min(a, b)
-    return _numeric("larger", 2, key, f"Which is larger, {a} or {b}?", high, f"{high} is larger than {low}.")
+    return numeric_problem("larger", 2, key, f"Which is larger, {a} or {b}?", high, f"{high} is larger than {low}.")
 
 
 @register_family("expression", GROUP, 3, "What is (3 + 4) * 2 - 5? -> 9", _off_by_a_little)
@@ -78,7 +81,7 @@ def expression(rng: random.Random) -> Problem:
     inner_key = sorted((a, b)) if inner_op == "+" else [a, b]
     key = canonical_key("expression", inner_op, inner_key, c, outer_op, d)
     text = f"({a} {inner_op} {b}) * {c} {outer_op} {d}"
-    return _numeric("expression", 3, key, f"What is {text}?", value, f"{text} = {value}.")
+    return numeric_problem("expression", 3, key, f"What is {text}?", value, f"{text} = {value}.")
 
 
 @register_family(
@@ -100,7 +103,7 @@ def word_problem(rng: random.Random) -> Problem:
         f"How many {things} does {name} have?"
     )
     statement = f"{name} had {a} {things}, got {b} more and gave away {c}, so {name} has {value} {things}."
-    return _numeric("word_problem", 3, key, prompt, value, statement)
+    return numeric_problem("word_problem", 3, key, prompt, value, statement)
 
 
 def _the_smaller_sum(problem: Problem, rng: random.Random) -> str:
@@ -119,7 +122,7 @@ def larger_sum(rng: random.Random) -> Problem:
     key = canonical_key("larger_sum", pairs)
     left, right = f"{a} + {b} = {a + b}", f"{c} + {d} = {c + d}"
     high, low = (left, right) if a + b > c + d else (right, left)
-    return _numeric(
+    return numeric_problem(
         "larger_sum",
         3,
         key,

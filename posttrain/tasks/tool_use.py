@@ -27,20 +27,17 @@ import re
 
 from posttrain.data.records import Message, SFTExample, assistant, user
 from posttrain.tasks.problem import Problem, canonical_key, register_family, sample_problems
-from posttrain.tasks.reasoning import NUMERIC, _off_by_a_little
+from posttrain.tasks.reasoning import _off_by_a_little, numeric_problem
 
 GROUP = "tool_use"
-
-
-def _numeric(family: str, tier: int, key: str, prompt: str, answer: int, statement: str) -> Problem:
-    return Problem(family, GROUP, tier, key, prompt, str(answer), "numeric", dict(NUMERIC), statement)
 
 
 @register_family("multiply_large", GROUP, 1, "What is 4821 * 7390? -> 35627190", _off_by_a_little)
 def multiply_large(rng: random.Random) -> Problem:
     a, b = rng.randint(1000, 9999), rng.randint(1000, 9999)
     key = canonical_key("multiply_large", sorted((a, b)))
-    return _numeric("multiply_large", 1, key, f"What is {a} * {b}?", a * b, f"{a} * {b} = {a * b}.")
+    return numeric_problem("multiply_large", 1, key, f"What is {a} * {b}?", a * b, f"{a} * {b} = {a * b}.",
+                           group=GROUP)
 
 
 @register_family("long_sum", GROUP, 2, "What is 381 + 912 + 275 + 640 + 118 + 953 + 407 + 726? -> 4412",
@@ -49,7 +46,8 @@ def long_sum(rng: random.Random) -> Problem:
     numbers = [rng.randint(100, 999) for _ in range(8)]
     key = canonical_key("long_sum", sorted(numbers))
     text = " + ".join(str(n) for n in numbers)
-    return _numeric("long_sum", 2, key, f"What is {text}?", sum(numbers), f"{text} = {sum(numbers)}.")
+    return numeric_problem("long_sum", 2, key, f"What is {text}?", sum(numbers), f"{text} = {sum(numbers)}.",
+                           group=GROUP)
 
 
 @register_family("count_letter", GROUP, 3, "How many times does the letter b appear in abdcabbd...? -> 9",
@@ -60,8 +58,8 @@ def count_letter(rng: random.Random) -> Problem:
     letter = rng.choice(letters)
     count = text.count(letter)
     key = canonical_key("count_letter", letter, text)
-    return _numeric("count_letter", 3, key, f"How many times does the letter {letter} appear in {text}?", count,
-                    f"The letter {letter} appears {count} times in {text}.")
+    return numeric_problem("count_letter", 3, key, f"How many times does the letter {letter} appear in {text}?",
+                           count, f"The letter {letter} appears {count} times in {text}.", group=GROUP)
 
 
 def tool_program(problem: Problem) -> str:
