@@ -41,7 +41,7 @@ from posttrain.data.io import append_jsonl
 from posttrain.models.attention import attention_for
 from posttrain.models.load import load_model
 from posttrain.models.lora import adapter_disabled
-from posttrain.train.evaluation import sharded_sums
+from posttrain.train.evaluation import chunk_sums, sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.pairs import (
     TINY_SET_EPOCHS,
@@ -267,9 +267,8 @@ def pair_evaluator(config: DPORecipe, pairs: list[TokenizedPair], pad_id: int, r
         with autocast(config.train.precision, sharded):
             per_pair, (pc, pr, rc, rr, lc, lr), _ = pair_losses(config, batch, model(**model_inputs(batch)))
         margin = config.dpo.beta * (((pc - rc) - (pr - rr)) if rc is not None else (pc / lc - pr / lr))
-        # every term on the model's device: a host tensor in the stack fails on CUDA
-        return torch.stack([term.double() for term in (per_pair.sum(), (margin > 0).sum(), margin.sum(), (pc > pr).sum(),
-                                                       (pc / lc > pr / lr).sum(), pc.new_tensor(float(pc.shape[0])))])
+        return chunk_sums(per_pair.sum(), (margin > 0).sum(), margin.sum(), (pc > pr).sum(), (pc / lc > pr / lr).sum(),
+                          count=pc.shape[0])
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         totals = sharded_sums(model, pairs, config.train.batch_size, measure)

@@ -30,6 +30,12 @@ def reshard(model: torch.nn.Module) -> None:
 
 
 @torch.no_grad()
+def chunk_sums(*terms: torch.Tensor, count: int) -> torch.Tensor:
+    """A ``sharded_sums`` measure's result: the chunk's sums and its unit count as one float64 vector, all on the
+    terms' device (a host tensor among CUDA ones fails the stack: held-out RM and DPO evaluation did on a GPU)."""
+    return torch.stack([*(term.double() for term in terms), terms[0].new_tensor(float(count), dtype=torch.float64)])
+
+
 def sharded_sums(
     model: torch.nn.Module,
     units: Sequence[Any],

@@ -36,7 +36,7 @@ from posttrain.models.attention import attention_for, transformers_name
 from posttrain.models.load import DTYPES, load_tokenizer, model_source
 from posttrain.progress import quiet_hf_progress
 from posttrain.train.dpo import write_eval
-from posttrain.train.evaluation import sharded_sums
+from posttrain.train.evaluation import chunk_sums, sharded_sums
 from posttrain.train.loop import train
 from posttrain.train.pairs import (
     MODEL_KEYS,
@@ -227,9 +227,7 @@ def reward_evaluator(config: RewardModelRecipe, pairs: list[TokenizedPair], pad_
             chosen, rejected = split_pairs(model(**reward_inputs(batch)))
         margin = _margins(chunk, config.rm.score_margin)
         loss = bradley_terry_loss(chosen, rejected, None if margin is None else margin.to(chosen.device))
-        # every term on the model's device (a host tensor here broke held-out evaluation on CUDA)
-        return torch.stack([loss.sum().double(), (chosen > rejected).sum().double(), (chosen - rejected).sum().double(),
-                            chosen.new_tensor(float(chosen.shape[0]), dtype=torch.float64)])
+        return chunk_sums(loss.sum(), (chosen > rejected).sum(), (chosen - rejected).sum(), count=chosen.shape[0])
 
     def evaluate(model: torch.nn.Module) -> dict[str, float]:
         totals = sharded_sums(model, pairs, config.train.batch_size, measure)
