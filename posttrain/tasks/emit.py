@@ -16,6 +16,7 @@ from posttrain.data.records import RLPrompt, SFTExample, assistant, stable_id, u
 from posttrain.eval.items import EvalItem, Suite, register_suite
 from posttrain.tasks.problem import (
     GROUPS,
+    TaskSpaceExhausted,
     TIERS,
     Problem,
     Split,
@@ -100,9 +101,13 @@ def eval_problems(
     ``split="train"`` draws a *dev* suite — traffic the flywheel's models meet in use, whose failures
     feed the next round — which never shares a problem with the held-out eval split.
 
-    A cell's items are split evenly between its families. Each family draws from its own seeded
-    stream, so the suite for a seed is the same on every machine, and a larger ``n_per_cell``
-    extends a smaller one.
+    A cell's items are split evenly between its families. Some families are small (a one-word task has a
+    fifth of ~266 words in eval): one that holds fewer than its share gives all it has, and the rest goes to
+    the cell's other families, then to the group's other tiers — so a group always holds its
+    ``len(tiers) * round(n_per_cell * scale)`` items (a suite big enough to resolve a few points per group),
+    as evenly spread as the problem space allows; only a group that cannot hold that many is an error.
+    Each family draws from its own seeded stream, so the suite for a seed is the same on every machine,
+    and a larger ``n_per_cell`` extends a smaller one.
     """
     if n_per_cell < 1:
         raise ValueError(f"n_per_cell must be >= 1, got {n_per_cell}")
@@ -115,13 +120,52 @@ def eval_problems(
         cell_size = round(n_per_cell * scale[group])
         if cell_size <= 0:
             continue
+        families = {family.name: family for tier in tiers for family in families_in(group, tier)}
+        by_tier = {tier: [f.name for f in families_in(group, tier)] for tier in tiers}
+        drawn: dict[str, list[Problem]] = {}
+        used_up: set[str] = set()  # families whose split held fewer than was asked of them
+
+        def draw_family(name: str, count: int) -> list[Problem]:
+            """A family's first ``count`` problems (fewer when its split holds fewer); a family's stream is
+            seeded by its name, so a longer draw extends a shorter one."""
+            if len(drawn.get(name, ())) < count and name not in used_up:
+                rng = random.Random(f"{seed}:{split}:{name}")
+                drawn[name] = draw_problems(families[name], count, split, rng, unique=True, at_most=True)
+                if len(drawn[name]) < count:
+                    used_up.add(name)
+            return drawn.get(name, [])[:count]
+
+        def draw_tier(tier: int, count: int) -> list[Problem]:
+            return [p for chosen in _fill_evenly(count, by_tier[tier], draw_family).values() for p in chosen]
+
+        chosen = _fill_evenly(cell_size * len(tiers), list(tiers), draw_tier)
+        found = sum(len(items) for items in chosen.values())
+        if found < cell_size * len(tiers):
+            raise TaskSpaceExhausted(
+                f"group {group!r}: found only {found} of {cell_size * len(tiers)} distinct {split} problems "
+                f"in its families; ask for fewer"
+            )
         for tier in tiers:
-            cell_families = families_in(group, tier)
-            shares = allocate(cell_size, {family.name: 1.0 for family in cell_families})
-            for family in cell_families:
-                rng = random.Random(f"{seed}:{split}:{family.name}")
-                problems.extend(draw_problems(family, shares[family.name], split, rng, unique=True))
+            problems.extend(chosen[tier])
     return problems
+
+
+def _fill_evenly(total: int, names: list[Any], draw: Any) -> dict[Any, list[Problem]]:
+    """``total`` items split evenly over ``names`` by ``draw(name, count) -> items`` (which may give fewer when a
+    name holds fewer): a name that comes up short keeps all it has and the others share what it lacks, until
+    every name that got less than asked is used up or the total is met (water-filling)."""
+    full: dict[Any, list[Problem]] = {}  # names that gave all they hold
+    while True:
+        open_names = [name for name in names if name not in full]
+        if not open_names:
+            return full
+        remaining = total - sum(len(items) for items in full.values())
+        shares = allocate(max(remaining, 0), {name: 1.0 for name in open_names})
+        taken = {name: draw(name, shares[name]) for name in open_names}
+        short = [name for name in open_names if len(taken[name]) < shares[name]]
+        if not short:
+            return {name: full[name] if name in full else taken[name] for name in names}
+        full.update({name: taken[name] for name in short})
 
 
 def eval_items(n_per_cell: int, seed: int, **options: Any) -> list[dict[str, Any]]:

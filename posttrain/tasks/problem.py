@@ -125,11 +125,13 @@ def draw_problems(
     split: Split,
     rng: random.Random,
     unique: bool,
+    at_most: bool = False,
 ) -> list[Problem]:
     """``count`` problems of ``family`` from ``split``.
 
     Rejection sampling: a draw from the other split is thrown away and drawn again. With
-    ``unique`` every key is distinct, and running out of problems is an error. Without it,
+    ``unique`` every key is distinct, and running out of problems is an error — or, with ``at_most``,
+    the answer is every distinct problem found (fewer than ``count``). Without ``unique``,
     repeats come only once ``FRESH_TRIES`` draws in a row found nothing new.
     """
     used: set[str] = set()
@@ -139,6 +141,8 @@ def draw_problems(
     while len(problems) < count:
         attempts += 1
         if unique and attempts > budget:
+            if at_most:
+                return problems
             raise TaskSpaceExhausted(
                 f"task family {family.name!r}: found only {len(problems)} of {count} distinct {split} problems "
                 f"after {budget} draws; ask for fewer, or pass unique=False to allow repeats"

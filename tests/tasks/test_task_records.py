@@ -93,10 +93,33 @@ def test_flywheel_suite_is_registered_and_loads_through_the_eval_harness(verify)
     assert weighted.group_weights == {"reasoning": 2.0, "transformation": 1.0}
 
 
-def test_asking_more_eval_items_than_a_family_holds_is_a_clear_error():
-    # One-word families have ~266 words, a fifth of them in eval.
-    with pytest.raises(tasks.TaskSpaceExhausted, match="found only"):
-        tasks.eval_problems(400, seed=0)
+def test_a_family_that_runs_out_gives_all_it_holds_and_its_group_stays_full():
+    # One-word families have ~266 words, a fifth of them in eval: 360 items per cell is more than the one-word
+    # cells hold. Each group still gets 3 x 360 distinct eval problems, the short families give all they have
+    # (the same set for every seed), and the other families and tiers make up the rest as evenly as they can.
+    small = tasks.eval_problems(40, seed=0)
+    big = tasks.eval_problems(360, seed=0)
+    other_seed = tasks.eval_problems(360, seed=1)
+    for problems in (big, other_seed):
+        assert len({p.key for p in problems}) == len(problems)
+        assert all(split_of(p.key) == "eval" for p in problems)
+        assert Counter(p.group for p in problems) == {group: 3 * 360 for group in tasks.GROUPS}
+    by_family = {seed: Counter(p.family for p in problems) for seed, problems in ((0, big), (1, other_seed))}
+    upper = {p.key for p in big if p.family == "upper"}
+    assert by_family[0]["upper"] < 120 and upper == {p.key for p in other_seed if p.family == "upper"}
+    tier_one = by_family[0]["upper"] + by_family[0]["lower"] + by_family[0]["repeat"]
+    assert tier_one < 360 and by_family[0]["bullets"] > 120  # the other tiers made up the one-word cells' shortfall
+    # Families with room draw from their own seeded stream: the small suite is the start of the big one.
+    for family in ("bullets", "add", "sort_words"):
+        first = [p.key for p in small if p.family == family]
+        assert first == [p.key for p in big if p.family == family][: len(first)]
+    assert {p.key for p in big} != {p.key for p in other_seed}
+
+
+def test_asking_more_eval_items_than_a_group_holds_is_a_clear_error():
+    # Tier 1 alone: the one-word families hold ~280 instruction-following eval problems between them.
+    with pytest.raises(tasks.TaskSpaceExhausted, match="group 'instruction_following': found only 2.. of 300"):
+        tasks.eval_problems(300, seed=0, tiers=(1,))
 
 
 def test_eval_problems_are_all_in_the_eval_split_and_distinct(suite_problems):
