@@ -16,10 +16,10 @@ from posttrain.data.records import RLPrompt, SFTExample, assistant, stable_id, u
 from posttrain.eval.items import EvalItem, Suite, register_suite
 from posttrain.tasks.problem import (
     GROUPS,
-    TaskSpaceExhausted,
     TIERS,
     Problem,
     Split,
+    TaskSpaceExhausted,
     allocate,
     draw_problems,
     families_in,
@@ -118,36 +118,39 @@ def eval_problems(
     problems: list[Problem] = []
     for group in GROUPS:
         cell_size = round(n_per_cell * scale[group])
-        if cell_size <= 0:
-            continue
-        families = {family.name: family for tier in tiers for family in families_in(group, tier)}
-        by_tier = {tier: [f.name for f in families_in(group, tier)] for tier in tiers}
-        drawn: dict[str, list[Problem]] = {}
-        used_up: set[str] = set()  # families whose split held fewer than was asked of them
-
-        def draw_family(name: str, count: int) -> list[Problem]:
-            """A family's first ``count`` problems (fewer when its split holds fewer); a family's stream is
-            seeded by its name, so a longer draw extends a shorter one."""
-            if len(drawn.get(name, ())) < count and name not in used_up:
-                rng = random.Random(f"{seed}:{split}:{name}")
-                drawn[name] = draw_problems(families[name], count, split, rng, unique=True, at_most=True)
-                if len(drawn[name]) < count:
-                    used_up.add(name)
-            return drawn.get(name, [])[:count]
-
-        def draw_tier(tier: int, count: int) -> list[Problem]:
-            return [p for chosen in _fill_evenly(count, by_tier[tier], draw_family).values() for p in chosen]
-
-        chosen = _fill_evenly(cell_size * len(tiers), list(tiers), draw_tier)
-        found = sum(len(items) for items in chosen.values())
-        if found < cell_size * len(tiers):
-            raise TaskSpaceExhausted(
-                f"group {group!r}: found only {found} of {cell_size * len(tiers)} distinct {split} problems "
-                f"in its families; ask for fewer"
-            )
-        for tier in tiers:
-            problems.extend(chosen[tier])
+        if cell_size > 0:
+            problems.extend(_group_problems(group, cell_size * len(tiers), tiers, seed, split))
     return problems
+
+
+def _group_problems(group: str, total: int, tiers: tuple[int, ...], seed: int, split: str) -> list[Problem]:
+    """``total`` distinct problems of ``group``, evenly over ``tiers`` and each tier's families where they hold
+    enough (``eval_problems``), tier by tier in family order."""
+    families = {family.name: family for tier in tiers for family in families_in(group, tier)}
+    by_tier = {tier: [f.name for f in families_in(group, tier)] for tier in tiers}
+    drawn: dict[str, list[Problem]] = {}
+    used_up: set[str] = set()  # families whose split held fewer than was asked of them
+
+    def draw_family(name: str, count: int) -> list[Problem]:
+        """A family's first ``count`` problems (fewer when its split holds fewer); a family's stream is seeded by
+        its name, so a longer draw extends a shorter one."""
+        if len(drawn.get(name, ())) < count and name not in used_up:
+            rng = random.Random(f"{seed}:{split}:{name}")
+            drawn[name] = draw_problems(families[name], count, split, rng, unique=True, at_most=True)
+            if len(drawn[name]) < count:
+                used_up.add(name)
+        return drawn.get(name, [])[:count]
+
+    def draw_tier(tier: int, count: int) -> list[Problem]:
+        return [p for chosen in _fill_evenly(count, by_tier[tier], draw_family).values() for p in chosen]
+
+    chosen = _fill_evenly(total, list(tiers), draw_tier)
+    found = sum(len(items) for items in chosen.values())
+    if found < total:
+        raise TaskSpaceExhausted(
+            f"group {group!r}: found only {found} of {total} distinct {split} problems in its families; ask for fewer"
+        )
+    return [problem for tier in tiers for problem in chosen[tier]]
 
 
 def _fill_evenly(total: int, names: list[Any], draw: Any) -> dict[Any, list[Problem]]:
