@@ -138,6 +138,10 @@ class NextRoundSpec(StrictModel):
     sample: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the sample stage's.")
     dpo: dict[str, Any] = Field(default_factory=dict, description="Overrides merged over the DPO stage's.")
     model_judge: bool = Field(default=True, description="Curate with the previous round's policy as a judge.")
+    sft_from_samples: bool = Field(
+        default=False, description="Round k's SFT set also takes its sample stage's best-of-n answers — the previous "
+        "round's final model's own, kept only when verified (the sample stage's min_score must be set): "
+        "rejection-sampling fine-tuning, so what the previous round's RL taught is trained on, not trained away.")
 
     _flat = field_validator("curate", "sft", "sample", "dpo", mode="before")(flatten_overrides)
 

@@ -88,4 +88,10 @@ def resolve_stages(config: FlywheelRecipe, grpo: bool = False) -> dict[str, Base
         label, stage = f"next_round.{name}", later_round_stage(config, name)
         resolved[label] = stage_config(name, label, stage.recipe, stage.overrides, stages[name][1],
                                        owner=f"{name}.overrides + {label}")
+    if config.next_round.sft_from_samples and resolved["next_round.sample"].min_score is None:
+        from posttrain.config.loader import ConfigError
+
+        raise ConfigError(["next_round.sft_from_samples: true would train round k's SFT on every best-of-n answer, "
+                           "wrong ones included; set next_round.sample.min_score (1.0 with verifiers: only answers "
+                           "that pass)"])
     return resolved

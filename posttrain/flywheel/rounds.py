@@ -9,11 +9,16 @@ Round k lives in ``<run_dir>/round<k>/`` and runs, as cached stages of the same 
     export    the vote log → preference pairs, SFT examples, merge input, with lineage
     curate    the new pool, with the previous round's policy as judge (``model_judge``) and intent labels
     sample    rejection sampling of the new RL prompts with the previous final model
+    sft_data  with ``next_round.sft_from_samples``: the curated records plus the sample stage's verified
+              best-of-n answers (rejection-sampling fine-tuning on the previous final model's own outputs)
     feedback  ``posttrain feedback``: the exported edge cases merged into the curated SFT set and the
               sampled preference set (deduplicated against both)
     sft, dpo  continued from the previous final model on the merged sets (DPO skipped, with its reason,
               below ``dpo.min_pairs``: the round's final model is then its SFT model)
-    eval_sft, eval_dpo, compare   on the round-1 held-out eval suite, so every round is scored alike
+    grpo      with ``grpo.enabled``: GRPO from the round's DPO model on the round's fresh RL prompts of
+              ``grpo.groups``, as in round 1 — every round runs the whole pipeline, so round k's final model
+              is compared with round k-1's like with like
+    eval_sft, eval_dpo, eval_grpo, compare   on the round-1 held-out eval suite, so every round is scored alike
 
 ``rounds.json`` (written by ``write_rounds_index``) lists the rounds for the report, and
 ``across/comparisons.json`` compares each round's final model with the previous round's.
@@ -29,6 +34,8 @@ from typing import Any
 from posttrain.flywheel.config import FlywheelRecipe, StageRecipe
 from posttrain.flywheel.stages import StageRunner
 
+# A later round's stages name the previous round's final stage by this in their ``depends_on``.
+START = "<previous round's final stage>"
 # What to change when a later round's DPO stage gets too few pairs: how to get more, where the minimum is set.
 LATER_PAIRS_HINT = ("raise next_round.rl_prompts or feedback.samples", "next_round.dpo.dpo.min_pairs")
 
@@ -88,10 +95,12 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
              (("raw", "next_round.raw_pool", spec.raw_pool), ("prompts", "next_round.rl_prompts", spec.rl_prompts),
               ("dev", "feedback.dev_suite", config.feedback.dev_suite))
              if isinstance(value, str)}  # fmt: skip
-    start = previous["stage"]
-
     def stage(name: str, key: Any, depends_on: list[str], body: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
-        return runner.run(f"{prefix}/{name}", key, [d if d == start else f"{prefix}/{d}" for d in depends_on], body)
+        """Stage ``<prefix>/<name>``; ``depends_on`` names this round's stages, and ``START`` the previous round's
+        final one. (Matching by name would be wrong: round 1's final stage ``dpo`` or ``grpo`` has the name of this
+        round's own, and a changed round-k stage would not re-run the stages that read it.)"""
+        inputs = [previous["stage"] if d == START else f"{prefix}/{d}" for d in depends_on]
+        return runner.run(f"{prefix}/{name}", key, inputs, body)
 
     data_options = {k: dump["next_round"][k] for k in ("raw_pool", "rl_prompts", "unkeyed_share", "off_topic_share")}
     dev_options = {k: dump["feedback"][k] for k in ("dev_per_cell", "dev_suite")}
@@ -99,7 +108,7 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
                           "preamble": config.data.preamble_share, "files": files},
                  [], lambda out: stage_round_data(config, round_index, out))
     loop_key = {"feedback": dump["feedback"], "eval": dump["eval"]}
-    stage("capture", loop_key, [start, "data"],
+    stage("capture", loop_key, [START, "data"],
           lambda out: loop.stage_capture(config, round_index, previous["model"], previous["label"],
                                          data["dev_suite"], run_dir, out))
     stage("annotate", loop_key, ["capture"],
@@ -119,14 +128,20 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
         return stage(name, {"stage": merged.model_dump(mode="json"), "wiring": wiring}, depends_on, body)
 
     judge = {"model_judge.enabled": spec.model_judge, "model_judge.model": previous["model"]} if spec.model_judge else {}
-    recipe("curate", config.curate, {"intent.enabled": True, **spec.curate}, ["data", start],
+    recipe("curate", config.curate, {"intent.enabled": True, **spec.curate}, ["data", START],
            {"data.input": data["raw"], **judge})
-    recipe("sample", config.sample, spec.sample, ["data", start],
+    recipe("sample", config.sample, spec.sample, ["data", START],
            {"data.input": data["prompts"], "policy.path": previous["model"]})
-    recipe("feedback", StageRecipe(recipe="curate_feedback"), {}, ["curate", "sample", "export"],
-           {"feedback": exported["feedback"], "sft": str(here / "curate" / "kept.jsonl"),
+    sft_set, sft_inputs = str(here / "curate" / "kept.jsonl"), ["curate"]
+    if spec.sft_from_samples:  # the curated records plus the previous model's own verified best-of-n answers
+        sft_set = stage("sft_data", {"sources": ["curate/kept.jsonl", "sample/sft.jsonl"]}, ["curate", "sample"],
+                        lambda out: concatenate_jsonl([here / "curate" / "kept.jsonl", here / "sample" / "sft.jsonl"],
+                                                      out / "sft.jsonl"))["sft"]
+        sft_inputs = ["sft_data"]
+    recipe("feedback", StageRecipe(recipe="curate_feedback"), {}, [*sft_inputs, "sample", "export"],
+           {"feedback": exported["feedback"], "sft": sft_set,
             "preferences": str(here / "sample" / "preferences.jsonl")})
-    recipe("sft", config.sft, spec.sft, [start, "feedback"],
+    recipe("sft", config.sft, spec.sft, [START, "feedback"],
            {"model.path": previous["model"], "data.train": str(here / "feedback" / "sft.jsonl")})
     dpo = recipe("dpo", config.dpo, spec.dpo, ["sft", "feedback"],
                  {"model.path": str(here / "sft" / "final"), "data.train": str(here / "feedback" / "preferences.jsonl"),
@@ -134,6 +149,13 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     models = ["sft"] if dpo.get("skipped") else ["sft", "dpo"]
     if dpo.get("skipped"):
         runner.log(f"{prefix}/dpo: no DPO model this round. {dpo['skipped']}")
+    if config.grpo is not None and config.grpo.enabled:  # every round is the whole pipeline: GRPO after DPO too
+        from posttrain.flywheel.run import stage_grpo
+
+        rl_start = str(here / models[-1] / "final")
+        stage("grpo", {"grpo": dump["grpo"]}, [models[-1], "data"],
+              lambda out: stage_grpo(config, data, rl_start, out, label=f"{prefix}/grpo"))
+        models.append("grpo")
     evals = {"start": previous["results"]}
     for label in models:
         result = stage(f"eval_{label}", {"eval": dump["eval"], "model": f"{prefix}/{label}"}, [label],
@@ -141,6 +163,8 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
                                                          f"{prefix}/{lab}"))
         evals[label] = result["results"]
     pairs = [("start", "sft"), ("sft", "dpo"), ("start", "dpo")] if "dpo" in models else [("start", "sft")]
+    if "grpo" in models:
+        pairs += [(models[-2], "grpo"), ("start", "grpo")]
     stage("compare", dump["eval"], [f"eval_{label}" for label in models],
           lambda out: stage_compare(evals, config, out, pairs))
     capture = runner.results[f"{prefix}/capture"].outputs
@@ -155,6 +179,17 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
         "model": str(here / final / "final"), "stage": f"{prefix}/{final}", "label": f"{prefix}/{final}",
         "results": evals[final], **({"skipped": {"dpo": dpo["skipped"]}} if dpo.get("skipped") else {}),
     }  # fmt: skip
+
+
+def concatenate_jsonl(sources: list[Path], target: Path) -> dict[str, Any]:
+    """``target``: the records of ``sources`` one after another (the feedback merge that reads it deduplicates)."""
+    counts = {}
+    with target.open("w", encoding="utf-8") as out:
+        for source in sources:
+            lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
+            out.writelines(line + "\n" for line in lines)
+            counts[source.parent.name] = len(lines)
+    return {"sft": str(target), "counts": counts}
 
 
 def write_rounds_index(run_dir: Path, rounds: list[dict[str, Any]], config: FlywheelRecipe,

@@ -147,9 +147,10 @@ def stage_eval(model_path: str, suite_path: str, config: FlywheelRecipe, out: Pa
     return {"results": str(path), "composite": composite["score"], "ci": [composite["ci_low"], composite["ci_high"]]}
 
 
-def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Path) -> dict[str, Any]:
-    """GRPO on the round's RL prompts of ``grpo.groups`` (the last ``grpo.eval_prompts`` held out for the
-    reward curve), starting from ``model``."""
+def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Path,
+               label: str = "grpo") -> dict[str, Any]:
+    """GRPO on the round's RL prompts (``data["prompts"]``) of ``grpo.groups`` (the last ``grpo.eval_prompts``
+    held out for the reward curve), starting from ``model``; ``label`` names the stage in messages."""
     from posttrain.data.io import iter_jsonl, write_jsonl
 
     spec = config.grpo
@@ -163,7 +164,7 @@ def stage_grpo(config: FlywheelRecipe, data: dict[str, Any], model: str, out: Pa
     if held:
         write_jsonl(str(out / "eval_prompts.jsonl"), rows[len(rows) - held :])
         wiring["data.eval"] = str(out / "eval_prompts.jsonl")
-    return _run_and_list("grpo", spec, wiring, out)
+    return {**_run_and_list("grpo", spec, wiring, out, label=label), "groups": sorted(spec.groups)}
 
 
 def stage_dpo(stage: StageRecipe, wiring: dict[str, Any], out: Path, hint: tuple[str, str], label: str = "dpo",

@@ -111,6 +111,25 @@ def test_rerunning_capture_and_annotate_adds_no_case_and_no_vote(two_rounds, cap
     assert _outputs(run_dir, "round2/capture")["already_captured"] == before[0]
 
 
+def test_a_changed_round_two_dpo_re_evaluates_round_two_not_round_one(two_rounds, capsys):
+    """Round 1's final stage is ``dpo``, the name of round 2's own: round 2's eval of its DPO model must depend on
+    round 2's DPO stage (it once depended on round 1's by that name, and kept a stale score when only round 2's
+    DPO changed)."""
+    run_dir, path = two_rounds
+    assert main(["flywheel", "--config", str(path)]) == 0  # back to the fixture's recipe (a test above changes it)
+    capsys.readouterr()
+    recipe = yaml.safe_load(path.read_text())
+    recipe["next_round"]["dpo"] = {**recipe["next_round"]["dpo"], "train.lr": 2.0e-4}
+    changed = path.with_name("changed-round2-dpo.yaml")
+    changed.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["flywheel", "--config", str(changed)]) == 0
+    err = capsys.readouterr().err
+    for name in ("round2/dpo", "round2/eval_dpo", "round2/compare"):
+        assert f"{name}: running" in err, name
+    for name in ("round2/sft", "round2/eval_sft", "dpo", "eval_dpo"):
+        assert f"\n[flywheel] {name}: unchanged" in err, name
+
+
 NUMERIC = EvalItem(id="x", prompt="What is 15 + 27?", verifier="numeric", answer="42", group="reasoning", tier=1,
                    options={"tolerance": 0})
 
@@ -133,3 +152,54 @@ def test_a_failure_the_service_would_refuse_is_counted_as_empty_not_posted():
 
     assert [_storable(text) for text in ("42", " 42 ", "", "  \n", "\u200b", "\ufeff\u200d", "4\x002")] == [
         True, True, False, False, False, False, False]
+
+
+GRPO_QUICK = {"train.max_steps": 2, "train.global_batch_size": 4, "train.batch_size": 8, "train.max_length": 96,
+              "train.save_every": None, "rl.group_size": 4, "rl.max_new_tokens": 6, "rl.rollout_batch_size": 16,
+              "reward.workers": 0}
+
+
+def test_with_grpo_every_round_ends_with_grpo_and_trains_on_its_own_samples(tmp_path):
+    """``grpo.enabled``: round 2 runs the whole pipeline, GRPO after its DPO on its own fresh prompts, and is
+    compared with round 1's GRPO model; ``next_round.sft_from_samples`` adds the sample stage's SFT targets (the
+    previous final model's best-of-n answers at or above the sample stage's ``min_score``) to round 2's SFT set.
+    This barely trained model passes no verifier, so ``min_score`` is 0 here (every best answer is kept); the
+    quickstart's 1.0 keeps only answers that pass (the sample stage's filter, tested with it)."""
+    run_dir = tmp_path / "run"
+    path = reduced_recipe(run_dir, rounds=2, feedback={"dev_per_cell": 2, "samples": 3, "max_new_tokens": 6},
+                          next_round={"raw_pool": 120, "rl_prompts": 36, "curate": {"intent.enabled": False},
+                                      "sft": {"train.max_steps": 3}, "dpo": {"train.max_steps": 2},
+                                      "sample": {"min_score": 0.0}, "sft_from_samples": True})
+    recipe = yaml.safe_load(path.read_text())
+    recipe["sft"]["overrides"]["train.max_steps"] = 40  # some sampled answers pass, so some samples are kept
+    recipe["grpo"].update(enabled=True, eval_prompts=0, overrides={**recipe["grpo"]["overrides"], **GRPO_QUICK})
+    path.write_text(yaml.safe_dump(recipe, sort_keys=False))
+    assert main(["flywheel", "--config", str(path)]) == 0
+
+    index = json.loads((run_dir / "rounds.json").read_text())
+    second = index["rounds"][1]
+    assert second["start"] == "round1/grpo" and second["final"] == "grpo" and second["models"][-1] == "grpo"
+    grpo = yaml.safe_load((run_dir / "round2" / "grpo" / "config.yaml").read_text())
+    assert grpo["model"]["path"] == str(run_dir / "round2" / second["models"][-2] / "final")
+    prompts = [json.loads(line) for line in (run_dir / "round2" / "grpo" / "prompts.jsonl").read_text().splitlines()]
+    round_two_prompts = (run_dir / "round2" / "data" / "prompts.jsonl").read_text()
+    assert prompts and {p["group"] for p in prompts} == set(recipe["grpo"]["groups"])
+    assert all(p["id"] in round_two_prompts for p in prompts)  # round 2's fresh prompts, not round 1's
+    assert list(json.loads((run_dir / index["across"]).read_text())) == ["round1/grpo->round2/grpo"]
+    compared = json.loads((run_dir / "round2" / "compare" / "comparisons.json").read_text())
+    assert f"{second['models'][-2]}->grpo" in compared and "start->grpo" in compared
+
+    kept = (run_dir / "round2" / "curate" / "kept.jsonl").read_text().splitlines()
+    sampled = [json.loads(line) for line in (run_dir / "round2" / "sample" / "sft.jsonl").read_text().splitlines()]
+    assert sampled and all(row["meta"]["sample"]["score"] >= 0.0 for row in sampled)
+    merged = (run_dir / "round2" / "sft_data" / "sft.jsonl").read_text().splitlines()
+    assert merged == kept + [line for line in (run_dir / "round2" / "sample" / "sft.jsonl").read_text().splitlines()]
+    feedback = json.loads((run_dir / "round2" / "feedback" / "manifest.json").read_text())
+    assert "round2/sft_data/sft.jsonl" in json.dumps(feedback)
+
+
+def test_sft_from_samples_without_a_min_score_is_refused_before_anything_runs(tmp_path, capsys):
+    path = reduced_recipe(tmp_path / "run", rounds=2, next_round={"sft_from_samples": True})
+    assert main(["flywheel", "--config", str(path), "next_round.sample.min_score=null"]) == 2
+    assert "next_round.sample.min_score" in capsys.readouterr().err
+    assert not (tmp_path / "run" / "data").exists()
