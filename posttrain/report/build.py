@@ -19,10 +19,16 @@ def _notes(notes: list[str]) -> str:
 
 
 def _scores_body(scores: dict[str, Any], comparisons: dict[str, Any],
-                 marked: dict[str, set[str]] | None = None, skipped: dict[str, str] | None = None) -> str:
+                 marked: dict[str, set[str]] | None = None, skipped: dict[str, str] | None = None,
+                 targets: dict[str, Any] | None = None) -> str:
     # A stage that did not train has no model to score: say why where its comparison would be.
     body = "".join(f'<p class="skipped"><b>{esc(why)}</b></p>' for why in (skipped or {}).values())
     body += tables.scores_table(scores) if scores else ""
+    targeted = tables.targets_table(targets or {}, comparisons)
+    if targeted:
+        body += ("<h4>What each stage targeted</h4><p>Each training stage against the model it started from, on the "
+                 "measure it is for: the composite for stages that learn from every group, the groups of its prompts "
+                 "for GRPO.</p>" + targeted)
     if comparisons:
         body += "<h4>Paired comparisons</h4>" + tables.comparisons_table(comparisons, marked)
         body += tables.reading_the_verdicts()
@@ -119,8 +125,8 @@ def eval_page(path: Path, shown_as: str | None = None) -> tuple[Page, dict[str, 
 def _round_sections(page: Page, data: dict[str, Any], prefix: str, level: int) -> None:
     """A round's own report: its scores and comparisons, funnel, feedback counts, training curves."""
     charts = [(f"{prefix}scores", figures.scores_figure(data["scores"]))] if data["scores"] else []
-    page.add("Scores", _scores_body(data["scores"], data["comparisons"], skipped=data.get("skipped")), charts,
-             level=level)
+    page.add("Scores", _scores_body(data["scores"], data["comparisons"], skipped=data.get("skipped"),
+                                    targets=data.get("targets")), charts, level=level)
     if data.get("feedback"):
         rows = [[esc(stage), esc(", ".join(f"{k} {v}" for k, v in counts.items()) or "–")]
                 for stage, counts in data["feedback"].items()]

@@ -234,6 +234,32 @@ def _numbers(outputs: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
+# What each training stage of a round learns from, for the report's "what each stage targeted" table. SFT and
+# DPO learn from every group, so their target is the composite; GRPO's is the groups of its prompts.
+STAGE_DATA = {"sft": "the curated SFT records (every group)",
+              "dpo": "preference pairs of its own sampled answers, right over wrong by the verifier (every group)"}
+
+
+def stage_targets(round_dir: Path, comparisons: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Comparison name → ``{"stage", "trained_on", "groups"}`` for each comparison of a stage with the model it
+    started from (``groups``: the measures that stage is judged on; ``None``: the composite). The cumulative
+    comparisons (``base->dpo``, ``start->grpo``…) are not one stage's, and a GRPO stage that did not record its
+    groups (runs before they were recorded) is left out."""
+    targets = {}
+    for name in comparisons:
+        before, _, stage = name.partition("->")
+        if before in ("base", "start") and stage != "sft":
+            continue
+        if stage == "grpo":
+            groups = (stage_outputs(round_dir / "grpo") or {}).get("groups")
+            if groups:
+                targets[name] = {"stage": stage, "groups": list(groups),
+                                 "trained_on": f"RL prompts of {', '.join(groups)} with the verifier reward"}
+        elif stage in STAGE_DATA:
+            targets[name] = {"stage": stage, "groups": None, "trained_on": STAGE_DATA[stage]}
+    return targets
+
+
 def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str, Any]:
     """One flywheel round's directory: its funnels, the curves of its training stages, the scores of its
     models and their paired comparisons, the stage times, (round ≥ 2) the feedback stages' counts, and the
@@ -259,6 +285,7 @@ def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str
         "models": models,
         "scores": {m: evals[m]["scores"] for m in models},
         "comparisons": {name: slim_comparison(result) for name, result in comparisons.items()},
+        "targets": stage_targets(round_dir, comparisons),
         "timings_s": stage_timings(round_dir),
         "feedback": feedback or None,
         "skipped": skipped,

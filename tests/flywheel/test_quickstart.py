@@ -75,8 +75,13 @@ def test_the_rl_stage_adds_grpo_to_the_round_and_the_report(finished_run, capsys
     assert report["models"] == ["base", "sft", "dpo", "grpo"] and "dpo->grpo" in report["comparisons"]
     assert report["grpo"]["step"] == [0, 1] and report["grpo"]["eval"]["step"]
     prompts = [json.loads(line) for line in (run_dir / "grpo" / "prompts.jsonl").read_text().splitlines()]
-    assert prompts and all(p["group"] == "reasoning" for p in prompts)
+    assert prompts and {p["group"] for p in prompts} == set(data["grpo"]["groups"])
+    # The report says what each stage is judged on: SFT and DPO the composite, GRPO the groups of its prompts.
+    targets = report["targets"]
+    assert list(targets) == ["base->sft", "sft->dpo", "dpo->grpo"]
+    assert targets["dpo->grpo"]["groups"] == sorted(data["grpo"]["groups"]) and targets["sft->dpo"]["groups"] is None
     html = (run_dir / "report.html").read_text()
+    assert "What each stage targeted" in html and f"group {data['grpo']['groups'][0]}" in html
     assert html.count('class="plotly-graph-div"') == 9 and 'id="chart-grpo-rl"' in html
 
 
