@@ -94,6 +94,20 @@ class ShingleSets:
         local = position - int(self.starts[shard])
         return np.asarray(values[offsets[local] : offsets[local + 1]])
 
+    def many(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The sets of ``positions`` (ascending) concatenated, and their sizes: one gather per shard file, not
+        a Python call per row (``minhash.exact_jaccard`` uses it; 7 000 rows of 30 000 are verified there)."""
+        shards = np.searchsorted(self.starts, positions, side="right") - 1
+        parts, sizes = [np.zeros(0, np.uint32)], [np.zeros(0, np.int64)]
+        for shard in np.unique(shards):
+            values, offsets = self.files[shard]
+            local = positions[shards == shard] - self.starts[shard]
+            begin, lengths = offsets[local], offsets[local + 1] - offsets[local]
+            within = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+            parts.append(np.asarray(values[np.repeat(begin, lengths) + within], dtype=np.uint32))
+            sizes.append(lengths.astype(np.int64))
+        return np.concatenate(parts), np.concatenate(sizes)
+
 
 
 

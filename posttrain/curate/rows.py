@@ -5,8 +5,9 @@ stages attach, and the labels they assign. Stages read two flat views of it: ``p
 turn before the last assistant reply) and ``response`` (the last assistant reply).
 
 Input goes through the data layer, so curation accepts exactly what SFT training accepts:
-``posttrain.data.io.parse_json_line`` decodes a line and ``posttrain.data.formats.convert`` makes
-an ``SFTExample`` of it (messages, ShareGPT, Alpaca, prompt + completion/response). Raw lines never
+``posttrain.data.io.parse_json_line`` decodes a line and ``posttrain.data.sft_fields`` takes the fields
+of the ``SFTExample`` that ``posttrain.data.formats.convert`` would make of it (messages, ShareGPT,
+Alpaca, prompt + completion/response), without building the model. Raw lines never
 crash the reader: a line that cannot be used becomes a ``Drop`` whose reason is the funnel name of
 the data layer's category (``FUNNEL_REASONS``: ``invalid_utf8``, ``malformed_json``,
 ``unknown_format``, ``bad_field``, ``empty_response``, ``missing_response``, …), with the data
@@ -19,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.data import formats
-from posttrain.data.formats import FormatError, convert
+from posttrain.data.formats import FormatError
 from posttrain.data.io import BadLine, parse_json_line
+from posttrain.data.sft_fields import sft_fields
 
 
 @dataclass
@@ -136,13 +138,11 @@ def _last_assistant(messages: list[dict[str, str]]) -> int:
 def row_from_record(raw: dict[str, Any], index: int, source: str, line: int) -> Row | Drop:
     """A decoded JSON object → a ``Row`` (an SFT record in any format the data layer reads), or a ``Drop``."""
     try:
-        record, _ = convert(raw, kind="sft")
+        fields = sft_fields(raw)
     except FormatError as exc:
         return drop_for(exc)
-    # A Message's fields are plain strings, so a copy of its __dict__ is its model_dump(), 7x faster (0.3 s of
-    # parsing 30k records).
-    return Row(index=index, source=source, line=line, id=record.id, messages=[dict(m.__dict__) for m in record.messages],
-               meta=record.meta, tier=record.tier, difficulty=record.difficulty)  # fmt: skip
+    return Row(index, source, line, fields.id, fields.messages, fields.meta, tier=fields.tier,
+               difficulty=fields.difficulty)  # fmt: skip
 
 
 def parse_line(raw: bytes, index: int, source: str, line: int) -> Row | tuple[Drop, str]:

