@@ -28,12 +28,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help=f"flywheel recipe: a file or a packaged recipe's name (default: {DEFAULT_RECIPE})")
     parser.add_argument("--run-dir", help="where the round writes its stages and report (default: runs/quickstart)")
     parser.add_argument("--rl", action="store_true",
-                        help="also run the GRPO stage after DPO (verifier reward on the reasoning prompts), evaluate "
-                        "it and add it to the report (about 4 more minutes on 2 cores)")
+                        help="also run the GRPO stage after DPO (verifier reward on the instruction-following prompts, "
+                        "grpo.groups), evaluate it and add it to the report (about 1 more minute on 2 cores; every "
+                        "later round then ends with GRPO too)")
     parser.add_argument("--rounds", type=int, metavar="N",
                         help="turn the flywheel N times (default 1): round k+1 starts from round k's model and learns "
                         "from its dev-suite failures, captured and annotated through the feedback service "
-                        "(about 6 more minutes per round on 2 cores)")
+                        "(about 3 more minutes per round on 2 cores)")
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     parser.set_defaults(func=_quickstart)
 
