@@ -4,7 +4,8 @@ directories written by ``datasets.Dataset.save_to_disk``.
 This is the one JSONL reader and writer of the package. Every JSON line anyone reads is decoded by
 ``parse_json_line`` (UTF-8 per line, JSON, one object; a bad line becomes a ``BadLine`` with a
 reason and a category, never an exception), and every JSONL file anyone writes goes through
-``jsonl_writer`` / ``write_jsonl`` (atomic replace on local disk) or ``append_jsonl``.
+``jsonl_writer`` / ``write_jsonl`` (atomic replace on local disk) or ``append_jsonl`` — written by
+``posttrain.data.writers`` and re-exported here; ``write_records`` (JSONL or Parquet by suffix) is below.
 
 Bad input never crashes without a message and never disappears. Each bad record (malformed JSON,
 invalid UTF-8, a missing or mistyped field, an empty message, identical chosen/rejected, a record of
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import PurePosixPath
@@ -38,7 +38,6 @@ from posttrain.data.formats import (
     detect_format,
     record_to_raw,
 )
-from posttrain.data.json_text import TextEncoder
 from posttrain.data.lines import (  # iter_lines, iter_text_lines: the package reads every line through this module
     MAX_RECORD_BYTES,
     LineTooLong,
@@ -51,6 +50,13 @@ from posttrain.data.read_report import ReadReport
 from posttrain.data.records import RECORD_KINDS, Record
 from posttrain.data.shards import is_glob, list_shards, rank_and_world, read_shards
 from posttrain.data.storage import AtomicFile, filesystem, is_remote, not_found, storage_errors
+from posttrain.data.writers import (  # JsonlWriter, jsonl_writer: re-exported, callers write through this module
+    JsonlWriter,  # noqa: F401 - re-exported
+    append_jsonl,
+    json_line,
+    jsonl_writer,  # noqa: F401 - re-exported
+    write_jsonl,
+)
 from posttrain.progress import progress as progress_bar
 
 logger = logging.getLogger("posttrain.data")
@@ -285,6 +291,10 @@ def iter_raw_records(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Ite
     return _iter_json_lines(path, max_record_bytes)
 
 
+def _is_local(fs: Any) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
 def is_plain_jsonl(path: str) -> bool:
     """A local, uncompressed JSON-lines file: a reader may split it by byte offset (``to_plain_jsonl`` makes one)."""
     path = str(path)
@@ -318,7 +328,7 @@ def to_plain_jsonl(path: str, target: str) -> Iterator[tuple[int, int]]:
                 data = item.raw.encode("utf-8", errors="backslashreplace") + b"\n"
             else:
                 try:
-                    data = _json_line(item).encode("utf-8")
+                    data = json_line(item).encode("utf-8")
                 except UnicodeEncodeError:  # a lone surrogate from a JSON array: escaped, the reader rejects it
                     data = (json.dumps(item, default=str) + "\n").encode("ascii")
             out.write(data)
@@ -339,80 +349,6 @@ def iter_jsonl(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[
 def read_jsonl(path: str) -> list[dict]:
     """Every object of a JSONL file (local or fsspec URL), in order; ``DataError`` on a malformed line."""
     return [item for _, item in iter_jsonl(str(path))]
-
-
-_LINE = TextEncoder(default=str)  # json.dumps(row, ensure_ascii=False, default=str), faster on ASCII text
-
-
-def _json_line(row: Any) -> str:
-    return _LINE.encode(row) + "\n"
-
-
-def _is_local(fs: Any) -> bool:
-    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-
-
-class JsonlWriter:
-    """Writes JSON lines to ``path``; on a clean ``close()`` the file replaces ``path`` in one step.
-
-    A reader (or a crash) never sees half a file, on local disk or in an object store
-    (``posttrain.data.storage.AtomicFile``); if the ``with`` block raises, the partial file is removed and
-    ``path`` is untouched. ``.gz`` and friends compress.
-    """
-
-    def __init__(self, path: str):
-        self.path = str(path)
-        self._file = AtomicFile(self.path, "w", fsspec.utils.infer_compression(self.path))
-        self._handle = self._file.open()
-        self.count = 0
-
-    def write(self, row: Any) -> None:
-        self._handle.write(_json_line(row))
-        self.count += 1
-
-    def write_all(self, rows: Iterable[Any]) -> None:
-        for row in rows:
-            self.write(row)
-
-    def close(self, keep: bool = True) -> None:
-        if self._handle is None:
-            return
-        self._handle = None
-        if keep:
-            self._file.commit()
-        else:
-            self._file.abort()
-
-    def __enter__(self) -> JsonlWriter:
-        return self
-
-    def __exit__(self, exc_type, *exc) -> None:
-        self.close(keep=exc_type is None)
-
-
-def jsonl_writer(path: str) -> JsonlWriter:
-    """A ``JsonlWriter`` for ``path``, for rows that arrive over time: ``with jsonl_writer(p) as out: out.write(row)``."""
-    return JsonlWriter(path)
-
-
-def write_jsonl(path: str, rows: Iterable[Any]) -> int:
-    """Write ``rows`` as JSON lines, replacing ``path`` atomically on local disk; return how many were written."""
-    with jsonl_writer(path) as out:
-        out.write_all(rows)
-    return out.count
-
-
-def append_jsonl(path: str, rows: Iterable[Any]) -> int:
-    """Append ``rows`` as JSON lines to ``path`` (created with its parent directory when missing)."""
-    path = str(path)
-    if not is_remote(path):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    count = 0
-    with storage_errors(path), fsspec.open(path, "a", encoding="utf-8") as handle:
-        for row in rows:
-            handle.write(_json_line(row))
-            count += 1
-    return count
 
 
 # ------------------------------------------------------------------------------------------ reading
