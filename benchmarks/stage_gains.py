@@ -11,7 +11,7 @@ problems wherever a family's eval split holds more than one suite needs), evalua
     round 2)
 
 Each comparison's **target** is what its stage trains on: the composite for SFT, DPO and the later round (their
-data spans every group), the GRPO stage's own prompt groups for GRPO (read from its ``prompts.jsonl``). A stage
+data spans every group), the GRPO stage's own prompt groups for GRPO (recorded in its ``stage.json``). A stage
 *holds* on a suite when its target is a significant gain (the report's own test: paired sign-flip permutation,
 Bonferroni over groups). Prints ONE JSON line: per seed (the run's own first), per comparison, the target's
 delta, interval, adjusted p and verdict, plus every group's delta.
@@ -66,22 +66,22 @@ def run_models(run_dir: Path) -> tuple[dict[str, str], list[tuple[str, str]]]:
 
 
 def targets(run_dir: Path, pairs: list[tuple[str, str]]) -> dict[str, list[str] | None]:
-    """Comparison name -> the groups its stage trains on (None: every group, tested by the composite)."""
-    out: dict[str, list[str] | None] = {}
-    for base, new in pairs:
-        groups = None
-        if new == "grpo":
-            from posttrain.data.io import iter_jsonl
+    """Comparison name -> the groups its stage is judged on (None: the composite), as the report's "What each
+    stage targeted" table has them (``stage_targets``: GRPO's recorded prompt groups); the across-rounds
+    comparisons, and a GRPO stage of a run from before its groups were recorded, are judged on the composite."""
+    from posttrain.report.collect import stage_targets
 
-            groups = sorted({row.get("group") for _, row in iter_jsonl(str(run_dir / "grpo" / "prompts.jsonl"))})
-        out[f"{base}->{new}"] = groups
-    return out
+    names = [f"{base}->{new}" for base, new in pairs]
+    recorded = stage_targets(run_dir, dict.fromkeys(names))
+    return {name: recorded[name]["groups"] if name in recorded else None for name in names}
 
 
 def verdict(comparison: dict, groups: list[str] | None) -> dict:
     """The target's test (the composite, or each targeted group) and every group's delta."""
     blocks = {"composite": comparison["composite"]} if groups is None else {g: comparison["groups"][g] for g in groups}
-    held = all(block["significant"] and block["delta"] > 0 for block in blocks.values())
+    from posttrain.eval.stats import verdict_kind
+
+    held = all(verdict_kind(block) == "improvement" for block in blocks.values())  # the report's own rule
     return {
         "target": "composite" if groups is None else groups,
         "holds": held,

@@ -115,25 +115,20 @@ def comparisons_table(comparisons: dict[str, dict[str, Any]], marked: dict[str, 
 
 
 def targets_table(targets: dict[str, dict[str, Any]], comparisons: dict[str, dict[str, Any]]) -> str:
-    """One row per training stage: what it learned from, the measure it is judged on (the composite, or the
-    groups its prompts came from) and that measure's Δ, p and verdict — whether the stage did what it is for."""
+    """One row per training stage and measure it is judged on (the composite, or the groups its prompts came
+    from): what it learned from, then that measure's row of the comparisons table — whether the stage did what
+    it is for."""
     rows = []
     for name, target in targets.items():
         result = comparisons.get(name) or {}
         measures = [("composite", result.get("composite"))] if target["groups"] is None else [
             (f"group {g}", (result.get("groups") or {}).get(g)) for g in target["groups"]]
-        for scope, test in measures:
-            if test is None:
-                continue
-            simultaneous = test.get("family_size", 1) > 1
-            p = test.get("p_adjusted") if simultaneous else test.get("p_value")
-            label, css = verdict(test)
-            rows.append([esc(target["stage"].upper()), esc(name), esc(target["trained_on"]), esc(scope),
-                         format_points(test["delta"]), "–" if p is None else f"{p:.4f}" + ("*" if simultaneous else ""),
-                         f'<span class="verdict {css}">{esc(label)}</span>'])
+        rows += [[esc(target["stage"].upper()), esc(target["trained_on"]), *_comparison_row(name, scope, test, False)]
+                 for scope, test in measures if test is not None]
     if not rows:
         return ""
-    return table(["stage", "comparison", "trained on", "judged on", "Δ (points)", "p", "verdict"], rows, "comparisons")
+    return table(["stage", "trained on", "comparison", "measure", "score", "Δ (points)", "CI", "p", "verdict"], rows,
+                 "comparisons")
 
 
 def reading_the_verdicts() -> str:

@@ -41,7 +41,7 @@ def test_the_run_s_comparisons_are_repeated_on_another_seed_s_suite(finished_run
 
 def block(delta: float, significant: bool) -> dict:
     return {"delta": delta, "ci_low": delta - 1, "ci_high": delta + 1, "p_adjusted": 0.01 if significant else 0.5,
-            "significant": significant}
+            "significant": significant, "n_changed": 40, "too_few_items": False}
 
 
 def test_a_stage_holds_only_when_every_target_measure_is_a_significant_gain():
