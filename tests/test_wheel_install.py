@@ -104,15 +104,19 @@ def test_reduced_quickstart_runs_from_the_wheel(installed, elsewhere):
     assert (elsewhere / "run" / "report.html").is_file()
 
 
-def test_the_wheel_carries_the_service_templates_and_the_calibration_set(installed, elsewhere):
-    """Package data the code opens at run time: the feedback pages' templates and the curation calibration set."""
+def test_the_wheel_carries_the_service_templates_the_calibration_set_and_the_packaged_base(installed, elsewhere):
+    """Package data the code opens at run time: the feedback pages' templates, the curation calibration set and the
+    quickstart's packaged base model."""
     script = ("import importlib.resources as r, posttrain; "
               "print(posttrain.__file__); "
               "print(sorted(p.name for p in r.files('posttrain.serve').joinpath('templates').iterdir())); "
-              "print(sorted(p.name for p in r.files('posttrain.curate').joinpath('calibration').iterdir()))")
+              "print(sorted(p.name for p in r.files('posttrain.curate').joinpath('calibration').iterdir())); "
+              "from posttrain.flywheel.packaged_base import PACKAGED_DIR; print(sorted(p.name for p in PACKAGED_DIR.iterdir()))")
     result = _run([str(installed / "python"), "-c", script], cwd=elsewhere)
     assert result.returncode == 0, result.stderr[-2000:]
-    where, templates, calibration = result.stdout.strip().splitlines()
+    where, templates, calibration, base = result.stdout.strip().splitlines()
     assert str(installed.parent) in where  # the wheel, not the source tree
     assert "annotate.html" in templates and "login.html" in templates
     assert any(name.endswith(".jsonl.gz") for name in ast.literal_eval(calibration))
+    shipped = sorted(p.name for p in (ROOT / "posttrain" / "flywheel" / "packaged_base").iterdir())
+    assert ast.literal_eval(base) == shipped and "model.safetensors" in shipped and "provenance.json" in shipped

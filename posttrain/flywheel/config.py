@@ -49,6 +49,11 @@ class BaseModelSpec(StrictModel):
     vocab_size: int = 1024
     corpus_documents: int = 3000
     pretrain: StageRecipe | None = None
+    packaged: bool = Field(
+        default=True, description="Use the base shipped with posttrain when it was pretrained from exactly this "
+        "run's inputs (architecture, seed, pretraining config, corpus and pool; posttrain.flywheel.packaged_base); "
+        "false: always pretrain here."
+    )
 
     _stage = field_validator("pretrain")(_checked_stage)
 

@@ -103,6 +103,11 @@ def stage_base(config: FlywheelRecipe, data: dict[str, Any], out: Path) -> dict[
         from posttrain.flywheel.rounds import user_file
 
         return {"model": user_file(config.base.model, "base.model"), "metrics": None}
+    from posttrain.flywheel.packaged_base import install_packaged_base, matching_packaged_base
+
+    shipped = matching_packaged_base(config, data)
+    if shipped is not None:
+        return install_packaged_base(shipped, data["corpus"], out)
     corpus = Path(data["corpus"]).read_text(encoding="utf-8").splitlines()
     pool_texts = []
     for _, row in iter_jsonl(data["raw"]):
@@ -235,6 +240,8 @@ def run_flywheel(config: FlywheelRecipe) -> int:
                 data_key.pop(name)
         if dump["base"]["model"] is None:
             dump["base"].pop("model")
+        if dump["base"]["packaged"]:  # the shipped base is the one pretraining here makes: old caches stay valid
+            dump["base"].pop("packaged")
         data = runner.run("data", data_key, [], lambda out: stage_data(config, out))
         base = runner.run("base", dump["base"], ["data"], lambda out: stage_base(config, data, out))
         stages = round_one_stages(config, data, base)

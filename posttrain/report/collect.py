@@ -265,6 +265,8 @@ def flywheel_round(round_dir: Path, models: list[str] | None = None) -> dict[str
     models and their paired comparisons, the stage times, (round ≥ 2) the feedback stages' counts, and the
     training stages that did not train, with why (``skipped``: a DPO stage below ``dpo.min_pairs``)."""
     notes: list[str] = []
+    if isinstance(base := stage_outputs(round_dir / "base"), dict) and base.get("packaged"):
+        notes.append(f"base model: {base['packaged']}")  # not pretrained in this run: say so where it is read
     skipped = {stage: outputs["skipped"] for stage in TRAINING_STAGES
                if isinstance(outputs := stage_outputs(round_dir / stage), dict) and outputs.get("skipped")}
     models = list(models) if models else round_models(round_dir)
