@@ -30,6 +30,15 @@ class StrictModel(BaseModel):
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
+    def changed_fields(self) -> set[str]:
+        """The keys given a value other than their default. A key that applies only in another mode (a reward
+        model's ``batch_size`` on a verifier term) is refused when *changed*, not when merely present: the resolved
+        config a run saves (``dump_config``, every default written out) must load again as it was."""
+        fields = type(self).model_fields
+        return {key for key in self.model_fields_set
+                if key in fields and (fields[key].is_required()
+                                      or getattr(self, key) != fields[key].get_default(call_default_factory=True))}
+
 
 class ConfigError(ValueError):
     """One or more problems with a config; ``str()`` lists them one per line."""

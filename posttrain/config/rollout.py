@@ -83,7 +83,7 @@ class RolloutConfig(StrictModel):
             extra = [key for key in ("server_url", "engine_python", "sync_dir") if getattr(self, key) is not None]
             if self.engine_args:
                 extra.append("engine_args")
-            extra += [key for key in ("overlap", "sync_method", "sync_backend") if key in self.model_fields_set]
+            extra += [key for key in ("overlap", "sync_method", "sync_backend") if key in self.changed_fields()]
             if extra:
                 raise ValueError(f"rollout.{extra[0]} is for rollout.engine=vllm; the hf engine samples in this "
                                  "process: set rollout.engine=vllm or drop it")
@@ -93,7 +93,7 @@ class RolloutConfig(StrictModel):
         if self.sync_method == "broadcast" and self.sync_dir is not None:
             raise ValueError("rollout.sync_dir is where sync_method=file writes the weights; sync_method=broadcast "
                              "writes no file: drop one or the other")
-        if self.sync_method == "file" and "sync_backend" in self.model_fields_set:
+        if self.sync_method == "file" and "sync_backend" in self.changed_fields():
             raise ValueError("rollout.sync_backend is for rollout.sync_method=broadcast; the file method has no "
                              "collective: set sync_method=broadcast or drop it")
         return self

@@ -135,7 +135,7 @@ class NearDedupConfig(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> NearDedupConfig:
-        if self.shingle != "auto" and "long_text_words" in self.model_fields_set:
+        if self.shingle != "auto" and "long_text_words" in self.changed_fields():
             raise ValueError(f"near_dedup.long_text_words is the shingle=auto length cut; shingle={self.shingle} "
                              "uses one kind for every length: drop it or set shingle: auto")
         if self.bands * self.rows > self.num_perm:

@@ -54,7 +54,7 @@ class RewardTerm(StrictModel):
 
     @model_validator(mode="after")
     def _check(self) -> RewardTerm:
-        for key in sorted(self.model_fields_set):
+        for key in sorted(self.changed_fields()):
             owner = _ONLY_FOR.get(key)
             if owner is not None and owner != self.kind:
                 raise ValueError(f"`{key}` applies to {owner} terms only; this term is kind={self.kind}")
