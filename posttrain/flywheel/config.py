@@ -128,6 +128,10 @@ class FeedbackLoopSpec(StrictModel):
     guideline: str = Field(default="Pick the answer that does exactly what the prompt asks; say why, naming "
                            "what each answer gives.", description="Annotation guideline shown with each pair.")
     guideline_version: str = "flywheel-v1"
+    reference_answers: bool = Field(
+        default=False, description="When none of a failure's sampled alternatives passes, the annotator writes the "
+        "right answer: the dev item's reference answer is added as one more response (model_id "
+        "`annotator-reference`), so the failure still yields a pair — the write-in a person would give.")
 
 
 class NextRoundSpec(StrictModel):
@@ -147,6 +151,10 @@ class NextRoundSpec(StrictModel):
         default=False, description="Round k's SFT set also takes its sample stage's best-of-n answers — the previous "
         "round's final model's own, kept only when verified (the sample stage's min_score must be set): "
         "rejection-sampling fine-tuning, so what the previous round's RL taught is trained on, not trained away.")
+    replay: bool = Field(
+        default=False, description="Round k's SFT set also takes the previous round's curated SFT records (replay): "
+        "the fresh pool adds to what the previous model was trained on instead of replacing it, so round k's SFT "
+        "trains less of it away.")
 
     _flat = field_validator("curate", "sft", "sample", "dpo", mode="before")(flatten_overrides)
 

@@ -4,7 +4,9 @@
    in use; never the held-out eval suite, so the score that judges the round stays clean). Each
    failure is POSTed to the service as an edge case (prompt, the failing answer with its model id and
    sampling settings, signal ``failed_verifier`` with the verifier's detail). Then the same model
-   samples ``feedback.samples`` alternatives per failure, POSTed as further responses.
+   samples ``feedback.samples`` alternatives per failure, POSTed as further responses; with
+   ``feedback.reference_answers``, a failure none of whose alternatives passes also gets the answer an
+   annotator would write in — the dev item's reference answer, model id ``annotator-reference``.
 2. **annotate**: a scripted annotator — the verifier, holding each dev item's answer key — asks the
    service for the next pair, as a person would through ``/annotate``, and votes A / B / tie / both
    bad with a reason that names what each answer gives ("B gives '42', the expected answer; A gives
@@ -32,6 +34,8 @@ from typing import Any
 from posttrain.flywheel.config import FlywheelRecipe
 
 DB_FILE = "feedback.db"
+# The model id of an answer the annotator wrote (``feedback.reference_answers``): lineage says no model sampled it.
+REFERENCE_MODEL_ID = "annotator-reference"
 
 
 def db_url(run_dir: Path) -> str:
@@ -120,6 +124,7 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                   db_dir: Path, out: Path) -> dict[str, Any]:
     """Evaluate ``model`` on the dev suite, post its failures and sampled alternatives to the service."""
     from posttrain.eval.items import load_suite
+    from posttrain.eval.verifiers import verify
     from posttrain.flywheel.run import stage_eval
     from posttrain.generate.engine import HFBackend, SamplingParams
 
@@ -137,7 +142,8 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                         "n": spec.samples, "seed": config.seed + round_index}
     params = SamplingParams(n=spec.samples, temperature=spec.temperature, max_new_tokens=spec.max_new_tokens,
                             seed=config.seed + round_index)
-    messages = {item.id: item.prompt_messages() for item in load_suite(dev_suite).items}  # as the eval prompted
+    items = {item.id: item for item in load_suite(dev_suite).items}
+    messages = {item_id: item.prompt_messages() for item_id, item in items.items()}  # as the eval prompted
     alternatives = backend.generate([messages[row["id"]] for row in failures], params,
                                     batch_size=spec.batch_size, progress=False) if failures else []
     counts: Counter = Counter()
@@ -155,9 +161,14 @@ def stage_capture(config: FlywheelRecipe, round_index: int, model: str, model_la
                 created = _check(client.post("/api/edge-cases", json=case), "an edge case")
                 counts["captured" if created["created"] else "already_captured"] += 1
                 texts = list(dict.fromkeys(s.text for s in samples if _storable(s.text) and s.text != row["output"]))
-                if texts:
-                    body = {"responses": [{"text": t, "model_id": model_label, "sampling": sampled_settings}
-                                          for t in texts]}
+                responses = [{"text": t, "model_id": model_label, "sampling": sampled_settings} for t in texts]
+                reference = items[row["id"]].answer if spec.reference_answers else None
+                if reference is not None and _storable(str(reference)) and str(reference) not in texts and not any(
+                        verify(items[row["id"]], text).passed for text in texts):
+                    responses.append({"text": str(reference), "model_id": REFERENCE_MODEL_ID, "sampling": {}})
+                    counts["reference_answers"] += 1
+                if responses:
+                    body = {"responses": responses}
                     _check(client.post(f"/api/edge-cases/{created['id']}/responses", json=body), "alternatives")
                     counts["alternatives"] += len(texts)
     groups = Counter(row["group"] for row in failures)

@@ -10,7 +10,8 @@ Round k lives in ``<run_dir>/round<k>/`` and runs, as cached stages of the same 
     curate    the new pool, with the previous round's policy as judge (``model_judge``) and intent labels
     sample    rejection sampling of the new RL prompts with the previous final model
     sft_data  with ``next_round.sft_from_samples``: the curated records plus the sample stage's verified
-              best-of-n answers (rejection-sampling fine-tuning on the previous final model's own outputs)
+              best-of-n answers (rejection-sampling fine-tuning on the previous final model's own outputs);
+              with ``next_round.replay``: plus the previous round's curated records
     feedback  ``posttrain feedback``: the exported edge cases merged into the curated SFT set and the
               sampled preference set (deduplicated against both)
     sft, dpo  continued from the previous final model on the merged sets (DPO skipped, with its reason,
@@ -107,7 +108,9 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     data = stage("data", {"seed": config.seed, "round": round_index, **data_options, **dev_options,
                           "preamble": config.data.preamble_share, "files": files},
                  [], lambda out: stage_round_data(config, round_index, out))
-    loop_key = {"feedback": dump["feedback"], "eval": dump["eval"]}
+    feedback = {k: v for k, v in dump["feedback"].items()  # an option added later, off: old caches stay valid
+                if not (k == "reference_answers" and v is False)}
+    loop_key = {"feedback": feedback, "eval": dump["eval"]}
     stage("capture", loop_key, [START, "data"],
           lambda out: loop.stage_capture(config, round_index, previous["model"], previous["label"],
                                          data["dev_suite"], run_dir, out))
@@ -133,10 +136,15 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     recipe("sample", config.sample, spec.sample, ["data", START],
            {"data.input": data["prompts"], "policy.path": previous["model"]})
     sft_set, sft_inputs = str(here / "curate" / "kept.jsonl"), ["curate"]
-    if spec.sft_from_samples:  # the curated records plus the previous model's own verified best-of-n answers
-        sft_set = stage("sft_data", {"sources": ["curate/kept.jsonl", "sample/sft.jsonl"]}, ["curate", "sample"],
-                        lambda out: concatenate_jsonl([here / "curate" / "kept.jsonl", here / "sample" / "sft.jsonl"],
-                                                      out / "sft.jsonl"))["sft"]
+    sources = {"curate/kept.jsonl": here / "curate" / "kept.jsonl"}
+    if spec.sft_from_samples:  # the previous model's own verified best-of-n answers
+        sources["sample/sft.jsonl"] = here / "sample" / "sft.jsonl"
+    if spec.replay:  # the previous round's curated records (its final stage depends on them: START covers them)
+        sources["previous/curate/kept.jsonl"] = run_dir / previous["dir"] / "curate" / "kept.jsonl"
+    if len(sources) > 1:
+        depends = ["curate"] + (["sample"] if spec.sft_from_samples else []) + ([START] if spec.replay else [])
+        sft_set = stage("sft_data", {"sources": list(sources)}, depends,
+                        lambda out: concatenate_jsonl(sources, out / "sft.jsonl"))["sft"]
         sft_inputs = ["sft_data"]
     recipe("feedback", StageRecipe(recipe="curate_feedback"), {}, [*sft_inputs, "sample", "export"],
            {"feedback": exported["feedback"], "sft": sft_set,
@@ -181,14 +189,15 @@ def run_next_round(config: FlywheelRecipe, runner: StageRunner, run_dir: Path, r
     }  # fmt: skip
 
 
-def concatenate_jsonl(sources: list[Path], target: Path) -> dict[str, Any]:
-    """``target``: the records of ``sources`` one after another (the feedback merge that reads it deduplicates)."""
+def concatenate_jsonl(sources: dict[str, Path], target: Path) -> dict[str, Any]:
+    """``target``: the records of ``sources`` (label → file) one after another, and how many each gave (the
+    feedback merge that reads it deduplicates)."""
     counts = {}
     with target.open("w", encoding="utf-8") as out:
-        for source in sources:
+        for label, source in sources.items():
             lines = [line for line in source.read_text(encoding="utf-8").splitlines() if line.strip()]
             out.writelines(line + "\n" for line in lines)
-            counts[source.parent.name] = len(lines)
+            counts[label] = len(lines)
     return {"sft": str(target), "counts": counts}
 
 

@@ -166,10 +166,11 @@ def test_with_grpo_every_round_ends_with_grpo_and_trains_on_its_own_samples(tmp_
     This barely trained model passes no verifier, so ``min_score`` is 0 here (every best answer is kept); the
     quickstart's 1.0 keeps only answers that pass (the sample stage's filter, tested with it)."""
     run_dir = tmp_path / "run"
-    path = reduced_recipe(run_dir, rounds=2, feedback={"dev_per_cell": 2, "samples": 3, "max_new_tokens": 6},
+    path = reduced_recipe(run_dir, rounds=2, feedback={"dev_per_cell": 2, "samples": 3, "max_new_tokens": 6,
+                                                       "reference_answers": True},
                           next_round={"raw_pool": 120, "rl_prompts": 36, "curate": {"intent.enabled": False},
                                       "sft": {"train.max_steps": 3}, "dpo": {"train.max_steps": 2},
-                                      "sample": {"min_score": 0.0}, "sft_from_samples": True})
+                                      "sample": {"min_score": 0.0}, "sft_from_samples": True, "replay": True})
     recipe = yaml.safe_load(path.read_text())
     recipe["sft"]["overrides"]["train.max_steps"] = 40  # some sampled answers pass, so some samples are kept
     recipe["grpo"].update(enabled=True, eval_prompts=0, overrides={**recipe["grpo"]["overrides"], **GRPO_QUICK})
@@ -193,9 +194,25 @@ def test_with_grpo_every_round_ends_with_grpo_and_trains_on_its_own_samples(tmp_
     sampled = [json.loads(line) for line in (run_dir / "round2" / "sample" / "sft.jsonl").read_text().splitlines()]
     assert sampled and all(row["meta"]["sample"]["score"] >= 0.0 for row in sampled)
     merged = (run_dir / "round2" / "sft_data" / "sft.jsonl").read_text().splitlines()
-    assert merged == kept + [line for line in (run_dir / "round2" / "sample" / "sft.jsonl").read_text().splitlines()]
+    replayed = (run_dir / "curate" / "kept.jsonl").read_text().splitlines()  # next_round.replay: round 1's curated set
+    sampled_lines = (run_dir / "round2" / "sample" / "sft.jsonl").read_text().splitlines()
+    assert replayed and merged == kept + sampled_lines + replayed
     feedback = json.loads((run_dir / "round2" / "feedback" / "manifest.json").read_text())
     assert "round2/sft_data/sft.jsonl" in json.dumps(feedback)
+
+    # feedback.reference_answers: a failure none of whose alternatives passes gets the annotator's write-in (the
+    # dev item's answer), and the pair it wins is exported with that lineage.
+    capture = _outputs(run_dir, "round2/capture")
+    dev = {json.loads(line)["id"]: json.loads(line) for line in
+           (run_dir / "round2" / "data" / "dev_suite.jsonl").read_text().splitlines()}
+    with sqlite3.connect(run_dir / "feedback.db") as db:
+        written = db.execute("SELECT r.text, e.metadata FROM responses r JOIN edge_cases e ON r.edge_case_id = e.id "
+                             "WHERE r.model_id = 'annotator-reference'").fetchall()
+    assert capture["reference_answers"] == len(written) > 0
+    assert all(text == dev[json.loads(meta)["dev_item"]]["answer"] for text, meta in written)
+    pairs = [json.loads(line) for line in (run_dir / "round2" / "export" / "preferences.jsonl").read_text().splitlines()]
+    won = [p for p in pairs if p["lineage"]["chosen"]["model_id"] == "annotator-reference"]
+    assert won and all(p["chosen"] == dev[p["lineage"]["metadata"]["dev_item"]]["answer"] for p in won)
 
 
 def test_sft_from_samples_without_a_min_score_is_refused_before_anything_runs(tmp_path, capsys):
