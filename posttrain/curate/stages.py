@@ -17,32 +17,30 @@ is acceptable here and never for a checkpoint or an input (docs/security.md): th
 segment hands to the next are one pickle per shard (JSON lines cost 0.35 s more per 30k long records to
 encode and decode, for nothing: no one else reads them, and the pool already pickles tasks and results);
 a dropped part is JSON lines, each prefixed by the record's input position, so the parent merges the parts
-in input order and copies each line as it is. The final segment's kept part is ``write_jsonl``'s JSON lines.
+in input order and copies each line as it is. The final segment's kept part is the JSON lines ``write_jsonl``
+would write (``Row.output_line``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import heapq
 import importlib
 import operator
 import pickle
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
+from posttrain.collector import cycle_collection_paused
 from posttrain.curate.config import CurateRecipe
 from posttrain.curate.dedup import Decisions
 from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row, parse_line, unparsed_dropped_record
-from posttrain.data.io import write_jsonl
 from posttrain.data.json_text import TextEncoder
 from posttrain.data.storage import AtomicFile
 
@@ -191,9 +189,9 @@ def run_shard(task: ShardTask) -> ShardResult:
     dropped: list[tuple[int, dict]] = []  # (input position, dropped record), sorted before writing
     with cycle_collection_paused():
         rows = _parse(task.source, counts, dropped) if task.source is not None else load_rows(task.rows_path)  # type: ignore[arg-type]
-    if task.decisions:
-        rows = _apply_decisions(rows, task.decisions, dropped)
-    for name in segment.row_stages:
+        if task.decisions:
+            rows = _apply_decisions(rows, task.decisions, dropped)
+    for name in segment.row_stages:  # the collector runs here: a stage may load a model, whose garbage may cycle
         stage = cached_stage(name, task.config, task.cache_dir)
         verdicts = stage.apply(rows) if rows else []
         kept: list[Row] = []
@@ -206,37 +204,23 @@ def run_shard(task: ShardTask) -> ShardResult:
                 write_dropped(dropped, row.index, row.dropped_record(name, verdict))
         counts[name] = (len(rows), len(kept), dict(reasons))
         rows = kept
-    _save_dropped(dropped, dropped_path)
-    features = {
-        name: cached_stage(name, task.config, task.cache_dir).features(
-            rows, str(work / f"{name}-{segment.index:02d}-{task.shard:06d}")
-        )
-        for name in segment.global_stages
-    }
-    if segment.final:
-        write_jsonl(str(rows_path), (row.output_record() for row in rows))
-    else:
-        with cycle_collection_paused():  # a tuple per row, as many as parsing made
+    with cycle_collection_paused():  # dicts and tuples per row again (records, lines, pickled fields)
+        _save_dropped(dropped, dropped_path)
+        features = {
+            name: cached_stage(name, task.config, task.cache_dir).features(
+                rows, str(work / f"{name}-{segment.index:02d}-{task.shard:06d}")
+            )
+            for name in segment.global_stages
+        }
+        if segment.final:  # a scratch part, joined into kept.jsonl by the parent (atomically there)
+            with open(rows_path, "wb") as handle:
+                handle.writelines(row.output_line() for row in rows)
+        else:
             save_rows(rows, rows_path)
     return ShardResult(
         task.shard, counts, [row.id for row in rows], features, str(rows_path), str(dropped_path),
         time.perf_counter() - started,
     )  # fmt: skip
-
-
-@contextlib.contextmanager
-def cycle_collection_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a shard's rows are built. Parsing or loading 10 000 rows
-    makes some 100 000 dicts and lists, none in a reference cycle, and each time they cross the collector's
-    thresholds it walks them and every object the imports made (0.15 s of a 3.2 s run on 30k long records).
-    Reference counting still frees everything at once; the collector resumes afterwards as it was."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 # A row's fields in order: tuples of them pickle and load in half the time of dicts or Row objects.

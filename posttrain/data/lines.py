@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import IO
 
-import fsspec
-
 from posttrain.data.errors import DataError
 
 MAX_RECORD_BYTES = 64 * 2**20  # the default of data.max_record_bytes (posttrain.config.sections.DataConfig)
@@ -84,7 +82,9 @@ _DECOMPRESSION_ERRORS = (EOFError, zlib.error, lzma.LZMAError, OSError)
 
 def _damaged_stream(path: str, exc: BaseException, lines: int) -> DataError | None:
     """A one-line ``DataError`` for a compressed file that ends early or is corrupt; None for other errors."""
-    compression = fsspec.utils.infer_compression(str(path))
+    from fsspec.utils import infer_compression
+
+    compression = infer_compression(str(path))
     if compression is None or (isinstance(exc, OSError) and exc.errno is not None):
         return None
     after = f" after {lines} complete line{'s' if lines != 1 else ''}" if lines else ""
@@ -99,6 +99,8 @@ def iter_lines(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iterator[
     line ending removed, a leading UTF-8 BOM dropped; ``(line_number, LineTooLong)`` for a line of more
     than ``max_record_bytes``, which is never held whole. Bytes, so one bad byte spoils one line, not the
     file. A truncated or corrupt compressed file raises ``DataError``."""
+    import fsspec  # here, not at the top: splitting a local file by offset (curation) needs none of it
+
     number = 0
     try:
         with fsspec.open(str(path), "rb", compression="infer") as handle:
@@ -134,6 +136,8 @@ def iter_text_lines(path: str, max_record_bytes: int = MAX_RECORD_BYTES) -> Iter
 def iter_chunks(path: str) -> Iterator[bytes]:
     """The (decompressed) bytes of a file in chunks of at most ``READ_CHUNK``, a leading UTF-8 BOM dropped;
     ``DataError`` for a damaged compressed file."""
+    import fsspec
+
     first = True
     try:
         with fsspec.open(str(path), "rb", compression="infer") as handle:
@@ -151,6 +155,8 @@ def iter_chunks(path: str) -> Iterator[bytes]:
 
 def read_all(path: str, size: int = -1) -> bytes:
     """The (decompressed) bytes of a file, or its first ``size``; ``DataError`` for a damaged compressed file."""
+    import fsspec
+
     try:
         with fsspec.open(path, "rb", compression="infer") as handle:
             return handle.read(size)
@@ -159,3 +165,4 @@ def read_all(path: str, size: int = -1) -> bytes:
         if error is None:
             raise
         raise error from None
+

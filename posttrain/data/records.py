@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from posttrain.data.json_text import TextEncoder, encode_string
+from posttrain.data.json_text import ROLES_UTF8, TextEncoder, encode_string, string_body_utf8
 
 Role = Literal["system", "user", "assistant", "tool"]
 
@@ -32,10 +32,26 @@ def stable_id(payload: Any, prefix: str = "") -> str:
 
 
 def messages_id(messages: list[dict[str, str]], prefix: str = "") -> str:
-    """``stable_id(messages, prefix)`` of ``{"role", "content"}`` dicts, a third faster: the same compact JSON with
-    sorted keys (content, then role), framed here instead of by the generic encoder (3 µs a chat)."""
-    parts = [f'{{"content":{encode_string(m["content"])},"role":{encode_string(m["role"])}}}' for m in messages]
-    return prefix + hashlib.sha256(f"[{','.join(parts)}]".encode()).hexdigest()[:16]
+    """``stable_id(messages, prefix)`` of ``{"role", "content"}`` dicts, twice as fast: the same compact JSON with
+    sorted keys (content, then role), framed here instead of by the generic encoder and fed to the hash piece by
+    piece, each text's UTF-8 bytes as they are when it needs no escape (no copy of the whole chat is made)."""
+    digest = hashlib.sha256()
+    opening = b'[{"content":"'
+    try:
+        for message in messages:
+            digest.update(opening)
+            digest.update(string_body_utf8(message["content"]))
+            digest.update(b'","role":"')
+            role = message["role"]
+            digest.update(ROLES_UTF8.get(role) or string_body_utf8(role))
+            digest.update(b'"}')
+            opening = b',{"content":"'
+    except UnicodeEncodeError:  # a lone surrogate: raised as stable_id raises it, at the same position
+        parts = [f'{{"content":{encode_string(m["content"])},"role":{encode_string(m["role"])}}}' for m in messages]
+        f"[{','.join(parts)}]".encode()
+        raise
+    digest.update(b"]" if messages else b"[]")
+    return prefix + digest.hexdigest()[:16]
 
 
 class _Record(BaseModel):

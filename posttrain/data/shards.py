@@ -21,7 +21,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from posttrain.data.storage import filesystem, not_found, storage_errors
+from posttrain.data.storage import filesystem, is_plain_local, not_found, storage_errors
 
 T = TypeVar("T")
 GLOB_CHARS = "*?["
@@ -61,6 +61,8 @@ def list_shards(url: str) -> list[str]:
     ``FileNotFoundError`` names ``url`` when nothing is there: no such file, a glob that matches nothing,
     or a directory without record files."""
     url = str(url)
+    if is_plain_local(url) and not is_glob(url) and os.path.isfile(url):
+        return [url]  # one local file (as below, without importing fsspec)
     fs, path = filesystem(url)
     with storage_errors(url):
         if is_glob(url):

@@ -9,17 +9,16 @@ import os
 from collections.abc import Iterable
 from typing import Any
 
-import fsspec
-
 from posttrain.data.json_text import TextEncoder
-from posttrain.data.storage import AtomicFile, is_remote, storage_errors
+from posttrain.data.storage import AtomicFile, is_plain_local, is_remote, storage_errors
 
-_LINE = TextEncoder(default=str)  # json.dumps(row, ensure_ascii=False, default=str), faster on ASCII text
+# json.dumps(row, ensure_ascii=False, default=str), faster; every JSONL line the package writes, and its pieces
+LINE_ENCODER = TextEncoder(default=str)
 
 
 def json_line(row: Any) -> str:
     """``row`` as one JSON line with its newline: ``json.dumps(row, ensure_ascii=False, default=str)``."""
-    return _LINE.encode(row) + "\n"
+    return LINE_ENCODER.encode(row) + "\n"
 
 
 class JsonlWriter:
@@ -32,7 +31,9 @@ class JsonlWriter:
 
     def __init__(self, path: str):
         self.path = str(path)
-        self._file = AtomicFile(self.path, "w", fsspec.utils.infer_compression(self.path))
+        from fsspec.utils import infer_compression
+
+        self._file = AtomicFile(self.path, "w", infer_compression(self.path))
         self._handle = self._file.open()
         self.count = 0
 
@@ -78,7 +79,13 @@ def append_jsonl(path: str, rows: Iterable[Any]) -> int:
     if not is_remote(path):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     count = 0
-    with storage_errors(path), fsspec.open(path, "a", encoding="utf-8") as handle:
+    if is_plain_local(path):
+        opened = open(path, "a", encoding="utf-8")  # noqa: SIM115 - closed by the with below
+    else:
+        import fsspec
+
+        opened = fsspec.open(path, "a", encoding="utf-8")
+    with storage_errors(path), opened as handle:
         for row in rows:
             handle.write(json_line(row))
             count += 1

@@ -16,7 +16,7 @@ from posttrain.curate.pipeline import curate
 from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.stages import STAGE_MODULES, STAGE_ORDER, build_stage
 
-from .conftest import make_config, read_jsonl, write_jsonl
+from .conftest import make_config, pair, read_jsonl, write_jsonl
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +151,17 @@ print(",".join(loaded) or "none")
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "none"
+
+
+def test_curating_a_local_jsonl_file_never_imports_fsspec(tmp_path):
+    # fsspec (with asyncio) is 0.07 s of start-up a local run does not need: the data layer takes plain local paths
+    # through the standard library (posttrain.data.storage.is_plain_local) and imports fsspec for URLs only. (The
+    # model stages are off: they import torch, which imports asyncio.)
+    data = write_jsonl(tmp_path / "raw.jsonl", [pair(f"Question {i}?", f"Answer number {i}.") for i in range(20)])
+    probe = ("import sys; from posttrain.cli import main; from posttrain.curate.stages import STAGE_ORDER; "
+             f"code = main(['curate', '--config', 'curate', 'data.input={data}', 'output_dir={tmp_path / 'out'}', "
+             "'executor.workers=0', 'progress=false', *[f'{stage}.enabled=false' for stage in STAGE_ORDER "
+             "if stage not in ('normalize', 'filters', 'exact_dedup', 'near_dedup')]]); "
+             "print(code, sorted(m for m in sys.modules if m.split('.')[0] in ('fsspec', 'asyncio')))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=tmp_path)
+    assert out.stdout.strip().splitlines()[-1] == "0 []", out.stdout[-2000:]

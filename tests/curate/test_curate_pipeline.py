@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import string
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from posttrain.cli import main
 from posttrain.curate.pipeline import curate
+from posttrain.curate.rows import Row
 from posttrain.data.records import SFTExample
+from posttrain.data.writers import json_line
 
 from .conftest import make_config, pair, read_jsonl, write_jsonl
 
@@ -179,3 +182,29 @@ def test_funnel_invariant_holds_for_any_input(tmp_path_factory, lines, shard_siz
     assert all(record["reason"] and record["stage"] for record in dropped)
     for record in kept:
         SFTExample.model_validate(record)
+
+
+_ODD_TEXT = st.text(st.sampled_from(list('ab "\\\n\x00\x7fé漢\u2028') + ["\U0001f600", "\ud800"]), max_size=8)
+_SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), _ODD_TEXT)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    row_id=st.one_of(_ODD_TEXT, st.integers()),
+    messages=st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant"]), "content": _ODD_TEXT}),
+                      max_size=3) | st.lists(st.dictionaries(st.sampled_from(["role", "content", "name"]), _ODD_TEXT)),
+    meta=st.dictionaries(st.sampled_from(["curate", "source", "é", "x"]), _SCALAR | st.lists(_SCALAR, max_size=2)),
+    scores=st.dictionaries(st.sampled_from(["judge", "near_dup_cluster"]), _SCALAR),
+    tier=st.one_of(st.none(), st.integers(1, 3), st.floats(allow_nan=True)),
+    difficulty=st.one_of(st.none(), st.floats(allow_nan=True)),
+    intent=st.one_of(st.none(), _ODD_TEXT),
+)  # fmt: skip
+def test_a_kept_line_is_the_json_line_of_the_kept_record(row_id, messages, meta, scores, tier, difficulty, intent):
+    row = Row(4, "in é.jsonl", 5, row_id, messages, meta, scores, tier, difficulty, intent)
+    try:
+        expected = json_line(row.output_record()).encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: not writable either way
+        with pytest.raises(UnicodeEncodeError):
+            row.output_line()
+    else:
+        assert row.output_line() == expected
