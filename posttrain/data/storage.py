@@ -77,22 +77,23 @@ def is_plain_local(url: str) -> bool:
     return "://" not in url and "::" not in url and not url.startswith("~")
 
 
-def path_exists(url: str) -> bool:
-    """Whether a file or directory is at ``url`` (``fs.exists``; ``os.path.exists`` for a plain local path)."""
+def _path_test(url: str, name: str) -> bool:
+    """``os.path.<name>(url)`` for a plain local path (no fsspec import), else the filesystem's ``<name>``."""
     if is_plain_local(url):
-        return os.path.exists(url)
+        return getattr(os.path, name)(url)
     fs, path = filesystem(url)
     with storage_errors(str(url)):
-        return fs.exists(path)
+        return getattr(fs, name)(path)
+
+
+def path_exists(url: str) -> bool:
+    """Whether a file or directory is at ``url``."""
+    return _path_test(url, "exists")
 
 
 def path_isdir(url: str) -> bool:
-    """Whether ``url`` is a directory (``fs.isdir``; ``os.path.isdir`` for a plain local path)."""
-    if is_plain_local(url):
-        return os.path.isdir(url)
-    fs, path = filesystem(url)
-    with storage_errors(str(url)):
-        return fs.isdir(path)
+    """Whether ``url`` is a directory."""
+    return _path_test(url, "isdir")
 
 
 def filesystem(url: str, **options: Any) -> tuple[Any, str]:
