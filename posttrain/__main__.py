@@ -1,11 +1,12 @@
 """``python -m posttrain`` and the ``posttrain`` command: run the CLI, then leave (``exit_process``: a
-distributed rank skips interpreter teardown, which can abort a finished rank). A closed stdout pipe is no
+distributed rank skips interpreter teardown, which can abort a finished rank; so does a successful command of
+``TEARDOWN_FREE_COMMANDS``, for which it would only free memory). A closed stdout pipe is no
 failure: ``posttrain validate … | head`` exits as the command did, without a traceback.
 """
 
 import sys
 
-from posttrain.cli import main, silence_stdout, stdout_closed
+from posttrain.cli import TEARDOWN_FREE_COMMANDS, command_of, main, silence_stdout, stdout_closed
 from posttrain.exit_codes import EXIT_OK, exit_process
 
 
@@ -21,7 +22,7 @@ def entry() -> None:
             sys.stdout.flush()  # a reader that left shows here, not as a traceback in the interpreter's teardown
         except BrokenPipeError:
             silence_stdout()
-    exit_process(code)
+    exit_process(code, teardown=code != EXIT_OK or command_of(sys.argv[1:]) not in TEARDOWN_FREE_COMMANDS)
 
 
 if __name__ == "__main__":

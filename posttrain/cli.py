@@ -199,6 +199,13 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that end by writing and closing every output they make: after a success the process leaves without
+# interpreter teardown (``exit_codes.exit_process``), which would only free what they hold, one object at a time.
+# Decided here, for the command line alone: the same code called in a longer process (the flywheel's curate stage)
+# leaves that process's ending as it was.
+TEARDOWN_FREE_COMMANDS = frozenset({"curate"})
+
+
 def command_of(argv: list[str]) -> str | None:
     """The subcommand ``argv`` runs when its first word (after ``--debug``) names it; None when an option comes
     first (``--help``, ``--version``, an abbreviated ``--debug``): argparse then sees the whole command line."""

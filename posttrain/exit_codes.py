@@ -3,10 +3,12 @@ and the two signals a preempted process leaves for whoever launched it."""
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
 import sys
+import threading
 from pathlib import Path
 
 EXIT_OK = 0
@@ -81,12 +83,25 @@ def report_preempted(exc: Preempted, step: int | None = None) -> int:
     return EXIT_RESUMABLE
 
 
-def exit_process(code: int) -> None:
+def _nothing_waits() -> bool:
+    """No thread the interpreter would wait for at exit (not a daemon) is running, and no profiler or tracer
+    (``python -m cProfile``, coverage) is attached: those write their results after the program ends."""
+    threads = any(not thread.daemon for thread in threading.enumerate() if thread is not threading.main_thread())
+    return not threads and sys.getprofile() is None and sys.gettrace() is None
+
+
+def exit_process(code: int, teardown: bool = True) -> None:
     """End the process with ``code``. A distributed rank (``WORLD_SIZE`` > 1) skips interpreter teardown after
     flushing its output: with the process group already destroyed, teardown can still abort a rank
     ("terminate called without an active exception": gloo's C++ threads release tensors while Python
-    finalises, pytorch#179291) and turn a finished run into a failed one. Call it last, files closed."""
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+    finalises, pytorch#179291) and turn a finished run into a failed one. ``teardown=False`` skips it too, after
+    the exit handlers (``atexit``: locks, engines, Ray), for a command that has written and closed all it makes:
+    teardown would only free its objects one by one (0.07 s of a 2.7 s ``posttrain curate`` over 30k long
+    records, whose rows and arrays are still alive at its end). Call it last, files closed."""
+    distributed = int(os.environ.get("WORLD_SIZE", "1")) > 1
+    if distributed or (not teardown and _nothing_waits()):
+        if not distributed:
+            atexit._run_exitfuncs()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

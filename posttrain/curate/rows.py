@@ -153,10 +153,11 @@ def _last_assistant(messages: list[dict[str, str]]) -> int:
     return -1
 
 
-def row_from_record(raw: dict[str, Any], index: int, source: str, line: int) -> Row | Drop:
-    """A decoded JSON object → a ``Row`` (an SFT record in any format the data layer reads), or a ``Drop``."""
+def row_from_record(raw: dict[str, Any], index: int, source: str, line: int, unescaped: bool = False) -> Row | Drop:
+    """A decoded JSON object → a ``Row`` (an SFT record in any format the data layer reads), or a ``Drop``.
+    ``unescaped``: no string in ``raw`` needs a JSON escape (``records.messages_id``)."""
     try:
-        fields = sft_fields(raw)
+        fields = sft_fields(raw, unescaped=unescaped)
     except FormatError as exc:
         return drop_for(exc)
     return Row(index, source, line, fields.id, fields.messages, fields.meta, tier=fields.tier,
@@ -168,7 +169,9 @@ def parse_line(raw: bytes, index: int, source: str, line: int) -> Row | tuple[Dr
     item = parse_json_line(raw)
     if isinstance(item, BadLine):
         return drop_for(item), item.raw
-    parsed = row_from_record(item, index, source, line)
+    # JSON text without a backslash holds no escape, so none of its strings holds a quote, a backslash or a control
+    # character (the decoder refuses them unescaped): none needs an escape to be written back.
+    parsed = row_from_record(item, index, source, line, unescaped=b"\\" not in raw)
     return (parsed, raw.decode("utf-8").rstrip("\r\n")) if isinstance(parsed, Drop) else parsed
 
 

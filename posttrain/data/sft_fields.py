@@ -37,9 +37,10 @@ class SFTFields(NamedTuple):
     meta: dict[str, Any]
 
 
-def sft_fields(raw: Any, fmt: str = "auto") -> SFTFields:
-    """The fields of ``convert(raw, fmt, kind="sft")``'s record; raises its ``FormatError`` for a bad record."""
-    fields = _canonical(raw, fmt)
+def sft_fields(raw: Any, fmt: str = "auto", unescaped: bool = False) -> SFTFields:
+    """The fields of ``convert(raw, fmt, kind="sft")``'s record; raises its ``FormatError`` for a bad record.
+    ``unescaped``: no string in ``raw`` needs a JSON escape (``records.messages_id``)."""
+    fields = _canonical(raw, fmt, unescaped)
     if fields is not None:
         return fields
     record, _ = convert(raw, fmt, kind="sft")
@@ -123,7 +124,7 @@ def _str_keys(keys: Any) -> bool:
     return True
 
 
-def _canonical(raw: Any, fmt: str) -> SFTFields | None:
+def _canonical(raw: Any, fmt: str, unescaped: bool = False) -> SFTFields | None:
     """The fields of a record in the usual shape (see the module docstring), or None: then ``convert`` decides.
     Keys that are not strings end up among the unknown keys, whose type ``_tags`` checks."""
     if type(raw) is not dict:
@@ -143,7 +144,7 @@ def _canonical(raw: Any, fmt: str) -> SFTFields | None:
     record_id, tier, difficulty, meta = tags
     if record_id is None:
         try:
-            record_id = messages_id(messages, "sft-")
+            record_id = messages_id(messages, "sft-", unescaped)
         except UnicodeEncodeError:  # a lone surrogate: convert reports it
             return None
     return SFTFields(messages, record_id, tier, difficulty, meta)

@@ -243,3 +243,12 @@ def test_messages_id_is_the_stable_id_of_the_messages(chat):
             messages_id(messages, "sft-")
     else:
         assert messages_id(messages, "sft-") == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(chat=st.lists(st.tuples(st.sampled_from(["user", "assistant", "x\x7f", "é"]),
+                               st.text(st.sampled_from(list("ab \x7féß漢\u2028") + ["\U0001f600"]), max_size=6)),
+                     max_size=4))  # fmt: skip
+def test_messages_id_of_texts_known_to_need_no_escape_skips_the_check_and_gets_the_same_id(chat):
+    messages = [{"role": role, "content": content} for role, content in chat]
+    assert messages_id(messages, "sft-", unescaped=True) == stable_id(messages, "sft-")
