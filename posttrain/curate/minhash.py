@@ -67,11 +67,11 @@ _WORD_FLAGS = bytes(int(_IS_WORD_BYTE[b]) for b in range(256))
 
 
 def _splitmix64(values: np.ndarray) -> np.ndarray:
-    """The splitmix64 finaliser: a bijective mixer that spreads every input bit over all output bits."""
-    z = values + np.uint64(0x9E3779B97F4A7C15)
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
+    """The splitmix64 finaliser: a bijective mixer that spreads every input bit over all output bits (a new array;
+    ``_splitmix64_inplace`` holds the arithmetic)."""
+    mixed = np.array(values, dtype=np.uint64)
+    _splitmix64_inplace(mixed, np.empty_like(mixed))
+    return mixed
 
 
 def _per_text(starts: np.ndarray, encoded: list[bytes]) -> np.ndarray:
