@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,10 +213,19 @@ def curate(config: CurateRecipe) -> dict:
     if is_remote(config.output_dir):
         return _curate_to_store(config)
     output = Path(config.output_dir)
-    work = output / ".work"
-    if work.exists():
-        shutil.rmtree(work)
-    work.mkdir(parents=True)
+    output.mkdir(parents=True, exist_ok=True)
+    # Scratch (converted inputs, the rows one segment hands the next, parts): a directory only this run can
+    # write — mode 0700, an unpredictable name, made here — whose row files load without resolving any class
+    # (``stages.load_rows``), and which is removed whether the run ends well or not.
+    work = Path(tempfile.mkdtemp(prefix=".work-", dir=output))
+    try:
+        return _curate_segments(config, output, work)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _curate_segments(config: CurateRecipe, output: Path, work: Path) -> dict:
+    """``curate``'s run in ``output`` with its scratch in ``work``: plan shards, run the segments, write outputs."""
     cache_dir = str(output / "cache")
     inputs = input_paths(config)
     sources, total = plan_shards(inputs, config.executor.shard_size, work)
@@ -266,7 +276,6 @@ def curate(config: CurateRecipe) -> dict:
         summary,
         exclude=_NOT_IN_CONFIG_HASH,
     )
-    shutil.rmtree(work)
     return manifest
 
 

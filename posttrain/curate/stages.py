@@ -11,10 +11,11 @@ decisions. Memory per worker is bounded by the shard size.
 Each stage registers a factory in ``CURATION_STAGES`` next to its class; ``STAGE_MODULES`` names
 the module that does, which is imported the first time the stage is built.
 
-Scratch files live in the run's private temporary directory (``tempfile``: mode 0700, made by this process, gone
-at its end), are written by this run and read back once — nothing else can plant one there, which is why a pickle
-is acceptable here and never for a checkpoint or an input (docs/security.md): the rows a
-segment hands to the next are one pickle per shard (JSON lines cost 0.35 s more per 30k long records to
+Scratch files live in the run's private directory (``tempfile.mkdtemp`` in the output directory: mode 0700, an
+unpredictable name, made by this process, removed at its end), are written by this run and read back once; the
+rows a segment hands to the next are one pickle per shard, of builtin values only, and load through an unpickler
+that resolves no class (``load_rows``), so even a file swapped in cannot run code — never a pickle for a
+checkpoint or an input (docs/security.md). One pickle per shard (JSON lines cost 0.35 s more per 30k long records to
 encode and decode, for nothing: no one else reads them, and the pool already pickles tasks and results);
 a dropped part is JSON lines, each prefixed by the record's input position, so the parent merges the parts
 in input order and copies each line as it is. The final segment's kept part is the JSON lines ``write_jsonl``
@@ -280,13 +281,21 @@ def save_rows(rows: list[Row], path: str | Path, handoff: Handoff | None = None)
         pickle.dump([_ROW_FIELDS(row) for row in rows], handle, protocol=pickle.HIGHEST_PROTOCOL)
 
 
+class _BuiltinValuesOnly(pickle.Unpickler):
+    """Reads ``save_rows``' pickle: tuples of str, int, float, bool, None, lists and dicts, which pickle without
+    naming any class. Resolving none, it cannot be made to call anything, whoever wrote the file."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"curate's scratch rows hold builtin values only; refusing {module}.{name}")
+
+
 def load_rows(path: str | Path, handoff: Handoff | None = None) -> list[Row]:
-    """The rows ``save_rows`` held or wrote (this run's own scratch file, never input from elsewhere)."""
+    """The rows ``save_rows`` held or wrote (this run's own scratch file, read without resolving any class)."""
     held = handoff.take(str(path)) if handoff is not None else None
     if held is not None:
         return held
     with open(path, "rb") as handle:
-        return [Row(*fields) for fields in pickle.load(handle)]
+        return [Row(*fields) for fields in _BuiltinValuesOnly(handle).load()]
 
 
 def write_dropped(dropped: list[tuple[int, dict]], index: int, record: dict) -> None:

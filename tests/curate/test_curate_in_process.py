@@ -7,6 +7,9 @@ check of its id (``rows.parse_line``); and the command ends without interpreter 
 from __future__ import annotations
 
 import json
+import os
+import pickle
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +22,7 @@ from posttrain.cli import main
 from posttrain.curate import pipeline, stages
 from posttrain.curate.pipeline import _cut, _cut_plain, curate
 from posttrain.curate.rows import Row, parse_line
+from posttrain.curate.stages import load_rows, save_rows
 from posttrain.data.formats import FormatError, convert
 
 from .conftest import make_config
@@ -52,7 +56,7 @@ def test_rows_held_in_memory_give_the_bytes_spilled_rows_give(raw_pool_file, tmp
         assert (tmp_path / "held" / name).read_bytes() == (tmp_path / "spilled" / name).read_bytes(), name
         assert (tmp_path / "mixed" / name).read_bytes() == (tmp_path / "spilled" / name).read_bytes(), name
     assert held["dataset_id"] == spilled["dataset_id"] == mixed["dataset_id"]
-    assert not list((tmp_path / "held").glob(".work"))  # the scratch directory is gone either way
+    assert not list((tmp_path / "held").glob(".work*"))  # the scratch directory is gone either way
 
 
 def test_process_pool_tasks_carry_no_handoff(raw_pool_file, tmp_path, monkeypatch):
@@ -169,3 +173,33 @@ def test_the_curate_command_leaves_early_with_every_output_written(raw_pool_file
     missing = subprocess.run([sys.executable, "-m", "posttrain", "curate", f"data.input={tmp_path / 'none.jsonl'}",
                               f"output_dir={tmp_path / 'o'}"], capture_output=True, text=True, timeout=300)  # fmt: skip
     assert missing.returncode == 2 and "input file not found" in missing.stderr
+
+
+# -- the scratch rows' loader ----------------------------------------------------------------------------------
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo planted",))
+
+
+def test_scratch_rows_load_as_saved_and_a_pickle_naming_a_callable_is_refused(tmp_path):
+    rows = [Row(3, "in.jsonl", 4, "sft-x", [{"role": "user", "content": "é"}, {"role": "assistant", "content": "b"}],
+                {"nested": [1, 2.5, None, True]}, scores={"near_dup_cluster": "c1"}, tier=2)]  # fmt: skip
+    save_rows(rows, tmp_path / "rows.pkl")
+    assert load_rows(tmp_path / "rows.pkl") == rows
+    (tmp_path / "planted.pkl").write_bytes(pickle.dumps([_RunsCode()]))
+    with pytest.raises(pickle.UnpicklingError, match="refusing posix.system"):
+        load_rows(tmp_path / "planted.pkl")
+
+
+def test_the_scratch_directory_is_private_while_the_run_lasts(raw_pool_file, tmp_path, monkeypatch):
+    seen = []
+    real = stages.save_rows
+
+    def spy(rows, path, handoff=None):
+        seen.append(stat.S_IMODE(os.stat(Path(path).parent).st_mode))
+        return real(rows, path, handoff)
+
+    monkeypatch.setattr(stages, "save_rows", spy)
+    _run(raw_pool_file, tmp_path / "out", monkeypatch, budget=0)
+    assert seen and set(seen) == {0o700}
+    assert not list((tmp_path / "out").glob(".work*"))
