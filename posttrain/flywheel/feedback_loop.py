@@ -8,9 +8,10 @@
    ``feedback.reference_answers``, a failure none of whose alternatives passes also gets the answer an
    annotator would write in — the dev item's reference answer, model id ``annotator-reference``.
 2. **annotate**: a scripted annotator — the verifier, holding each dev item's answer key — asks the
-   service for the next pair, as a person would through ``/annotate``, and votes A / B / tie / both
-   bad with a reason that names what each answer gives ("B gives '42', the expected answer; A gives
-   '41'"). The service randomises the sides and keeps the true order.
+   service for the next pairs (``GET /api/tasks``: the order ``/api/tasks/next`` and the ``/annotate``
+   page hand them out one at a time), and votes A / B / tie / both bad with a reason that names what each
+   answer gives ("B gives '42', the expected answer; A gives '41'"), a batch per ``POST /api/votes/bulk``.
+   The service randomises the sides and keeps the true order.
 3. **export**: ``posttrain feedback export`` logic writes preference pairs, SFT examples and the
    ``posttrain feedback`` merge input, each with lineage, from the vote log.
 
@@ -213,6 +214,7 @@ def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_
                    ) -> dict[str, Any]:
     """Vote on every open pair as the scripted verifier annotator, through the annotator API."""
     from posttrain.eval.items import content_hash, load_suite
+    from posttrain.serve.models import MAX_BATCH
 
     items = {content_hash(item.prompt): item for item in load_suite(dev_suite).items}  # str or chat alike
     counts: Counter = Counter()
@@ -221,20 +223,25 @@ def stage_annotate(config: FlywheelRecipe, round_index: int, dev_suite: str, db_
     with feedback_service(db_dir, (config.feedback.guideline_version, guideline)) as (base_url, db):
         token = _token(db, db_dir, f"flywheel-verifier-round{round_index}", "annotator")
         with _client(base_url, token) as client:
-            while True:
-                response = client.get("/api/tasks/next")
-                if response.status_code == 204:
-                    break
-                task = _check(response, "the next task")
-                item = items.get(content_hash(task["prompt"]))
-                if item is None:  # a case someone else captured: this annotator has no answer key for it
-                    choice, reason = "tie", "no answer key for this prompt: cannot tell (scripted verifier)"
-                    counts["no_key"] += 1
-                else:
-                    choice, reason = verifier_vote(item, task["left"]["text"], task["right"]["text"])
-                _check(client.post("/api/votes", json={"task_id": task["task_id"], "choice": choice,
-                                                       "reason": reason}), "a vote")
-                counts[choice] += 1
+            # A batch of tasks per call and their votes in one call: the order and the votes are those of one
+            # GET /api/tasks/next and one POST /api/votes per pair, without ~9 ms of HTTP and ranking each.
+            while tasks := _check(client.get("/api/tasks", params={"limit": MAX_BATCH}), "the next tasks")["tasks"]:
+                votes = []
+                for task in tasks:
+                    item = items.get(content_hash(task["prompt"]))
+                    if item is None:  # a case someone else captured: this annotator has no answer key for it
+                        choice, reason = "tie", "no answer key for this prompt: cannot tell (scripted verifier)"
+                        counts["no_key"] += 1
+                    else:
+                        choice, reason = verifier_vote(item, task["left"]["text"], task["right"]["text"])
+                    votes.append({"task_id": task["task_id"], "choice": choice, "reason": reason})
+                    counts[choice] += 1
+                stored = _check(client.post("/api/votes/bulk", json={"votes": votes}), "the votes")
+                if stored["rejected"]:
+                    refused = next(result for result in stored["results"] if result["status"] != 201)
+                    raise RuntimeError(f"feedback service refused {stored['rejected']} of {len(votes)} votes, e.g. "
+                                       f"{votes[refused['index']]['task_id']}: HTTP {refused['status']} "
+                                       f"{refused['error']}")
     return {"votes": sum(counts[c] for c in ("left", "right", "tie", "both_bad")), **counts}
 
 

@@ -9,6 +9,8 @@ API (Bearer token; 401 without a valid one, 403 for the wrong role, 429 with Ret
 ``GET  /api/edge-cases/{id}``               ingest, admin        the case and its responses
 ``GET  /api/tasks/next``                    annotator, admin     a pair to judge (204 when none left)
 ``POST /api/votes``                         annotator, admin     ``{task_id, choice, reason}``; 201
+``GET  /api/tasks?limit=K``                 annotator, admin     up to K (≤ 100) pairs at once, in that order
+``POST /api/votes/bulk``                    annotator, admin     ``{votes: [...]}``; a result per vote
 ``GET  /api/stats``                         admin                progress, agreement, bias (as /admin)
 ``GET  /api/me``                            any                  the caller's name and role
 ==========================================  ===================  ==========================================
@@ -29,13 +31,22 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from fastapi import Depends, FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
 from posttrain.serve.db import FeedbackDB, FeedbackDBError, open_db
-from posttrain.serve.models import REASON_REQUIRED, EdgeCaseIn, Limits, ResponsesIn, VoteIn, oversized_text
+from posttrain.serve.models import (
+    MAX_BATCH,
+    REASON_REQUIRED,
+    EdgeCaseIn,
+    Limits,
+    ResponsesIn,
+    VoteIn,
+    VotesIn,
+    oversized_text,
+)
 from posttrain.serve.monitor import admin_stats
 from posttrain.serve.ratelimit import TokenBuckets
 from posttrain.serve.text import MAX_DEPTH, is_blank, text_problem
@@ -222,6 +233,32 @@ def _add_api_routes(app: FastAPI) -> None:
     def post_vote(vote: VoteIn, request: Request, user: dict = ANNOTATE) -> JSONResponse:
         vote_id = record_vote(request.app.state.service, user, vote.task_id, vote.choice, vote.reason)
         return JSONResponse({"vote_id": vote_id}, status_code=201)
+
+    @app.get("/api/tasks")
+    def next_tasks(request: Request, limit: int = Query(default=1, ge=1, le=MAX_BATCH),
+                   user: dict = ANNOTATE) -> dict:
+        # For a scripted annotator (a verifier, a judge model): the pairs /api/tasks/next would give one call
+        # at a time, in the same order, each assigned to the caller. An empty list when nothing is left.
+        service: Service = request.app.state.service
+        guideline = service.guideline()
+        tasks = service.db.next_tasks(user["id"], guideline["version"] if guideline else None, limit)
+        return {"tasks": [_task_json(service, task) for task in tasks]}
+
+    @app.post("/api/votes/bulk")
+    def post_votes(body: VotesIn, request: Request, user: dict = ANNOTATE) -> dict:
+        # Each vote is checked and stored on its own, in order, as POST /api/votes would: a refused one is
+        # reported in its result and does not stop the others (a malformed body is refused whole, 422).
+        results, counts = [], {"recorded": 0, "rejected": 0}
+        for index, vote in enumerate(body.votes):
+            try:
+                vote_id = record_vote(request.app.state.service, user, vote.task_id, vote.choice, vote.reason)
+            except HTTPException as exc:
+                results.append({"index": index, "status": exc.status_code, "error": exc.detail})
+                counts["rejected"] += 1
+            else:
+                results.append({"index": index, "status": 201, "vote_id": vote_id})
+                counts["recorded"] += 1
+        return {**counts, "results": results}
 
     @app.get("/api/stats")
     def stats(request: Request, user: dict = ADMIN) -> dict:

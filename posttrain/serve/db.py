@@ -412,12 +412,22 @@ class FeedbackDB:
     # -- annotation -----------------------------------------------------------------------------------------
 
     def next_task(self, annotator_id: int, guideline_version: str | None) -> dict[str, Any] | None:
-        """The pair this annotator has not voted on with the fewest annotators so far, as an assignment.
+        """The pair this annotator has not voted on with the fewest annotators so far, as an assignment
+        (``next_tasks`` with a limit of one)."""
+        tasks = self.next_tasks(annotator_id, guideline_version, 1)
+        return tasks[0] if tasks else None
+
+    def next_tasks(self, annotator_id: int, guideline_version: str | None, limit: int) -> list[dict[str, Any]]:
+        """Up to ``limit`` pairs this annotator has not voted on, fewest annotators first (ties: oldest case,
+        then response position), each as an assignment: the order ``next_task`` would hand them out one by
+        one, ranked by one query instead of one per pair.
 
         A pair is (response 0, response i ≥ 1) of one edge case. An open assignment of the same pair to the
         same annotator is reused (a reload shows the same order); otherwise left/right is drawn at random.
         """
-        pair = self.one(
+        if limit < 1:
+            raise ValueError(f"limit must be at least 1, not {limit}")
+        pairs = self.query(
             """SELECT r0.edge_case_id AS edge_case_id, r0.id AS a, r.id AS b,
                       (SELECT COUNT(DISTINCT v.annotator_id) FROM votes v
                         WHERE v.response_a_id = r0.id AND v.response_b_id = r.id) AS n
@@ -425,23 +435,28 @@ class FeedbackDB:
                  JOIN edge_cases e ON e.id = r.edge_case_id
                 WHERE r.position >= 1 AND NOT EXISTS (SELECT 1 FROM votes v WHERE v.annotator_id = ?
                       AND v.response_a_id = r0.id AND v.response_b_id = r.id)
-                ORDER BY n, e.created_at, e.id, r.position LIMIT 1""",
-            (annotator_id,),
+                ORDER BY n, e.created_at, e.id, r.position LIMIT ?""",
+            (annotator_id, int(limit)),
         )
-        if pair is None:
-            return None
+        return [self._assignment(annotator_id, guideline_version, pair) for pair in pairs]
+
+    def _assignment(self, annotator_id: int, guideline_version: str | None, pair: dict[str, Any]) -> dict[str, Any]:
+        """The annotator's open assignment of ``pair`` under this guideline version, or a new one."""
         shown = self.query("SELECT id, guideline_version FROM assignments WHERE annotator_id = ? AND response_a_id = ? "
                            "AND response_b_id = ? ORDER BY created_at DESC", (annotator_id, pair["a"], pair["b"]))
         reusable = [row["id"] for row in shown if row["guideline_version"] == guideline_version]
         if reusable:
-            return self.task(reusable[0])
-        left, right = (pair["a"], pair["b"]) if secrets.randbelow(2) == 0 else (pair["b"], pair["a"])
-        assignment_id = "t-" + secrets.token_urlsafe(12)
-        self.query("INSERT INTO assignments (id, edge_case_id, response_a_id, response_b_id, left_response_id, "
-                   "right_response_id, annotator_id, guideline_version, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?)",
-                   (assignment_id, pair["edge_case_id"], pair["a"], pair["b"], left, right, annotator_id,
-                    guideline_version, now()))  # fmt: skip
-        return self.task(assignment_id)
+            task = self.task(reusable[0])
+        else:
+            left, right = (pair["a"], pair["b"]) if secrets.randbelow(2) == 0 else (pair["b"], pair["a"])
+            assignment_id = "t-" + secrets.token_urlsafe(12)
+            self.query("INSERT INTO assignments (id, edge_case_id, response_a_id, response_b_id, left_response_id, "
+                       "right_response_id, annotator_id, guideline_version, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, "
+                       "?, ?)", (assignment_id, pair["edge_case_id"], pair["a"], pair["b"], left, right, annotator_id,
+                                 guideline_version, now()))  # fmt: skip
+            task = self.task(assignment_id)
+        assert task is not None  # the row was just found or written
+        return task
 
     def task(self, assignment_id: str) -> dict[str, Any] | None:
         """An assignment with the texts it shows: ``prompt`` (decoded), ``left_text``, ``right_text``."""

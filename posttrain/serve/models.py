@@ -82,6 +82,16 @@ class VoteIn(_Body):
     reason: str = ""  # checked by ``record_vote`` (shared with the page), which answers REASON_REQUIRED
 
 
+# The most tasks one ``GET /api/tasks`` hands out and votes one ``POST /api/votes/bulk`` carries: enough to
+# take a scripted annotator's per-request cost out of the loop, few enough that a batch stays well under
+# ``Limits.max_body_bytes`` with ordinary reasons.
+MAX_BATCH = 100
+
+
+class VotesIn(_Body):
+    votes: list[VoteIn] = Field(min_length=1, max_length=MAX_BATCH)
+
+
 def prompt_chars(prompt: str | list[dict]) -> int:
     return len(prompt) if isinstance(prompt, str) else sum(len(m["content"]) for m in prompt)
 

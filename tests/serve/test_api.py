@@ -18,6 +18,8 @@ ROUTES = [
     ("GET", "/api/edge-cases/ec-0", None),
     ("GET", "/api/tasks/next", None),
     ("POST", "/api/votes", {"task_id": "t-0", "choice": "left", "reason": "r"}),
+    ("GET", "/api/tasks?limit=5", None),
+    ("POST", "/api/votes/bulk", {"votes": [{"task_id": "t-0", "choice": "left", "reason": "r"}]}),
     ("GET", "/api/stats", None),
     ("GET", "/api/me", None),
     ("GET", "/annotate", None),
@@ -29,6 +31,7 @@ ROUTES = [
 ALLOWED = {"/api/edge-cases": {"ingest", "admin"}, "/api/edge-cases/bulk": {"ingest", "admin"},
            "/api/edge-cases/ec-0/responses": {"ingest", "admin"}, "/api/edge-cases/ec-0": {"ingest", "admin"},
            "/api/tasks/next": {"annotator", "admin"}, "/api/votes": {"annotator", "admin"}, "/api/stats": {"admin"},
+           "/api/tasks?limit=5": {"annotator", "admin"}, "/api/votes/bulk": {"annotator", "admin"},
            "/api/me": {"annotator", "admin", "ingest"}}  # fmt: skip
 
 
@@ -200,6 +203,62 @@ def test_next_task_prefers_the_pair_with_fewest_votes(server):
     # an alternative added later is one more pair to judge
     case_id = one.get("/api/tasks/next").json()
     assert case_id["prompt"] == "second"
+
+
+def test_a_batch_of_tasks_comes_in_the_order_of_next_and_bulk_votes_are_checked_one_by_one(server):
+    ingest = server.client("ingest")
+    for index in range(4):  # 4 cases x 2 alternatives = 8 pairs
+        ingest.post("/api/edge-cases", json=edge_case(prompt=f"case {index}", texts=(f"bad {index}", "x", "y")))
+    one, two = server.client("annotator"), server.client("annotator2")
+    # annotator2 takes the pairs one by one: that order is what a batch must reproduce
+    one_by_one = []
+    while (reply := two.get("/api/tasks/next")).status_code == 200:
+        task = reply.json()
+        one_by_one.append((task["prompt"], {task["left"]["text"], task["right"]["text"]}))
+        assert two.post("/api/votes", json={"task_id": task["task_id"], "choice": "tie", "reason": "same"}).status_code == 201
+    assert len(one_by_one) == 8
+    first = one.get("/api/tasks", params={"limit": 5}).json()["tasks"]
+    assert [(t["prompt"], {t["left"]["text"], t["right"]["text"]}) for t in first] == one_by_one[:5]
+    assert [t["task_id"] for t in one.get("/api/tasks", params={"limit": 5}).json()["tasks"]] == [
+        t["task_id"] for t in first]  # open tasks are handed out again, with the same sides
+    assert one.get("/api/tasks/next").json()["task_id"] == first[0]["task_id"]
+    votes = [{"task_id": t["task_id"], "choice": "left", "reason": f"left is better in {t['prompt']}"} for t in first]
+    votes[1]["reason"] = "  \u200b "  # invisible only: refused like POST /api/votes refuses it
+    votes[3]["task_id"] = "t-not-a-task"
+    stored = one.post("/api/votes/bulk", json={"votes": votes}).json()
+    assert (stored["recorded"], stored["rejected"]) == (3, 2)
+    assert [(r["index"], r["status"]) for r in stored["results"]] == [(0, 201), (1, 422), (2, 201), (3, 404), (4, 201)]
+    assert "reason is required" in stored["results"][1]["error"]
+    db = open_db(server.db_url)
+    log = [v for v in db.vote_log() if v["annotator"] == "annotator"]
+    db.close()
+    assert [v["reason"] for v in log] == [votes[i]["reason"] for i in (0, 2, 4)]  # stored in order
+    assert [r["vote_id"] for r in stored["results"] if r["status"] == 201] == [v["id"] for v in log]
+    # the two refused pairs are still open, first in line; then the three never handed out
+    rest = one.get("/api/tasks", params={"limit": 100}).json()["tasks"]
+    assert [t["task_id"] for t in rest[:2]] == [first[1]["task_id"], first[3]["task_id"]]
+    assert [(t["prompt"], {t["left"]["text"], t["right"]["text"]}) for t in rest[2:]] == one_by_one[5:]
+    finish = one.post("/api/votes/bulk", json={"votes": [{"task_id": t["task_id"], "choice": "both_bad", "reason": "no"}
+                                                         for t in rest]})
+    assert finish.json()["recorded"] == 5
+    assert one.get("/api/tasks", params={"limit": 3}).json() == {"tasks": []}
+    assert one.get("/api/tasks/next").status_code == 204
+
+
+def test_batch_bounds_and_a_malformed_vote_refuse_the_whole_request(server):
+    server.client("ingest").post("/api/edge-cases", json=edge_case())
+    annotator = server.client("annotator")
+    for limit in (0, 101, "many"):
+        assert annotator.get("/api/tasks", params={"limit": limit}).status_code == 422
+    assert len(annotator.get("/api/tasks").json()["tasks"]) == 1  # the limit defaults to one
+    task_id = annotator.get("/api/tasks").json()["tasks"][0]["task_id"]
+    good = {"task_id": task_id, "choice": "left", "reason": "fine"}
+    for body in ({"votes": []}, {"votes": [good] * 101}, {"votes": [good, {**good, "choice": "maybe"}]},
+                 {"votes": [good], "extra": 1}):
+        assert annotator.post("/api/votes/bulk", json=body).status_code == 422
+    db = open_db(server.db_url)
+    assert db.vote_log() == []  # nothing of a refused request was stored
+    db.close()
 
 
 def test_alternatives_endpoint(server):
