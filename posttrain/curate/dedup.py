@@ -30,7 +30,14 @@ from posttrain.curate.config import (
     NearDedupConfig,
     SemanticDedupConfig,
 )
-from posttrain.curate.minhash import MinHasher, connected_components, exact_jaccard, near_duplicate_clusters
+from posttrain.curate.minhash import (
+    MinHasher,
+    connected_components,
+    exact_jaccard,
+    near_duplicate_clusters,
+    sorted_unique,
+    unique_pairs,
+)
 from posttrain.curate.registry import CURATION_STAGES
 from posttrain.curate.rows import Drop, Row
 
@@ -99,7 +106,7 @@ class ShingleSets:
         a Python call per row (``minhash.exact_jaccard`` uses it; 7 000 rows of 30 000 are verified there)."""
         shards = np.searchsorted(self.starts, positions, side="right") - 1
         parts, sizes = [np.zeros(0, np.uint32)], [np.zeros(0, np.int64)]
-        for shard in np.unique(shards):
+        for shard in sorted_unique(shards):
             values, offsets = self.files[shard]
             local = positions[shards == shard] - self.starts[shard]
             begin, lengths = offsets[local], offsets[local + 1] - offsets[local]
@@ -206,10 +213,10 @@ class NearDedupStage:
                 keep_pair=keep_pair,
             )
             found.append(positions[pairs])
-        pairs = np.unique(np.concatenate(found), axis=0)
+        pairs = unique_pairs(np.concatenate(found), alive.size)
         labels = connected_components(alive.size, pairs)
         self.verified_pairs = pairs  # kept for reports and benchmarks
-        for position in np.unique(pairs.ravel()):
+        for position in sorted_unique(pairs.ravel()):
             representative = int(labels[position])
             decisions.annotations[int(position)] = {"near_dup_cluster": ids[representative]}
             if representative != position:

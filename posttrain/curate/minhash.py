@@ -66,6 +66,20 @@ _WORD_TERMS = bytes(b + 1 if _IS_WORD_BYTE[b] and b < 0xFF else 0 for b in range
 _WORD_FLAGS = bytes(int(_IS_WORD_BYTE[b]) for b in range(256))
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """``np.unique(values)`` of a 1-D array by one sort: numpy 2's ``np.unique`` hashes first (slower on these
+    integer arrays) and imports ``numpy.ma`` on its first call (12 ms of a 2-second process)."""
+    ordered = np.sort(values, axis=None)
+    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if ordered.size else ordered
+
+
+def unique_pairs(pairs: np.ndarray, n: int) -> np.ndarray:
+    """``np.unique(pairs, axis=0)`` for ``[m, 2]`` pairs of indices below ``n`` with ``i < j``, through one int64
+    key per pair (``i·n + j``): ``np.unique(axis=0)`` is several times slower."""
+    keys = sorted_unique(pairs[:, 0].astype(np.int64) * np.int64(n) + pairs[:, 1])
+    return np.stack((keys // n, keys % n), axis=1)
+
+
 def _splitmix64(values: np.ndarray) -> np.ndarray:
     """The splitmix64 finaliser: a bijective mixer that spreads every input bit over all output bits (a new array;
     ``_splitmix64_inplace`` holds the arithmetic)."""
@@ -237,7 +251,7 @@ class MinHasher:
         # Texts with 1..k-1 words: one shingle made of all their words, placed in text order.
         if short.size:
             short_hash = np.empty(short.size, dtype=np.uint64)
-            for length in np.unique(per_text[short]):
+            for length in sorted_unique(per_text[short]):
                 chosen = per_text[short] == length
                 short_hash[chosen] = partial_by_len[length - 1][text_start[short[chosen]]]
             counts[short] = 1
@@ -462,7 +476,7 @@ def lsh_candidate_pairs(
         boundary = np.flatnonzero(np.diff(sorted_keys)) + 1
         starts = np.concatenate(([0], boundary))
         sizes = np.diff(np.concatenate((starts, [order.size])))
-        for size in np.unique(sizes[sizes > 1]):
+        for size in sorted_unique(sizes[sizes > 1]):
             group_starts = starts[sizes == size]
             members = order[group_starts[:, None] + np.arange(size)[None, :]]  # [groups, size]
             if size <= max_bucket:
@@ -474,9 +488,7 @@ def lsh_candidate_pairs(
         return np.zeros((0, 2), dtype=np.int64)
     pairs = index[np.concatenate(pieces)]
     pairs.sort(axis=1)
-    # Unique rows, sorted, through one int64 key per pair (i·n + j, j < n): np.unique(axis=0) is several times slower.
-    keys = np.unique(pairs[:, 0] * np.int64(n) + pairs[:, 1])
-    return np.stack((keys // n, keys % n), axis=1)
+    return unique_pairs(pairs, n)
 
 
 def signature_agreement(signatures: np.ndarray, pairs: np.ndarray, chunk: int = 65536) -> np.ndarray:

@@ -49,23 +49,42 @@ class TextEncoder:
         text = self._ascii.encode(value)
         return self._text.encode(value) if "\\u" in text else text
 
-    def encode_chat_utf8(self, messages: Any) -> bytes:
+    def encode_chat_utf8(self, messages: Any, plain: tuple[str, ...] = ()) -> bytes:
         """``encode(messages).encode("utf-8")`` for a chat. A list of ``{"role": str, "content": str}`` dicts is
         framed here in bytes, each text's own UTF-8 taken as it is where it needs no escape (``string_body_utf8``):
         the C encoder takes 3x as long over a chat of long texts, mostly building and joining its pieces, and its
-        text is then encoded again. Anything else: ``encode``. A lone surrogate raises ``UnicodeEncodeError``."""
+        text is then encoded again. Anything else: ``encode``. A lone surrogate raises ``UnicodeEncodeError``.
+        ``plain``: texts the caller knows need no escape (compared by identity), encoded without the check."""
+        pieces: list[bytes] = []
+        self.chat_utf8_pieces(messages, pieces, plain)
+        return b"".join(pieces)
+
+    def chat_utf8_pieces(self, messages: Any, pieces: list[bytes], plain: tuple[str, ...] = ()) -> None:
+        """Append ``encode_chat_utf8(messages, plain)`` to ``pieces`` in parts, for a caller that joins a longer
+        line once (each long text is then copied once, into the line)."""
         if not self._frames_chats or type(messages) is not list:
-            return self.encode(messages).encode("utf-8")
-        parts = []
+            pieces.append(self.encode(messages).encode("utf-8"))
+            return
+        start, opening = len(pieces), b'[{"role": "'
         for message in messages:
             if type(message) is not dict or tuple(message) != _CHAT_KEYS:
-                return self.encode(messages).encode("utf-8")
+                break
             role, content = message["role"], message["content"]
             if type(role) is not str or type(content) is not str:
-                return self.encode(messages).encode("utf-8")
-            parts.append(b'{"role": "%s", "content": "%s"}' % (ROLES_UTF8.get(role) or string_body_utf8(role),
-                                                                string_body_utf8(content)))
-        return b"[%s]" % b", ".join(parts)
+                break
+            for text in plain:
+                if content is text:
+                    body = content.encode()
+                    break
+            else:
+                body = string_body_utf8(content)
+            pieces += (opening, ROLES_UTF8.get(role) or string_body_utf8(role), b'", "content": "', body, b'"}')
+            opening = b', {"role": "'
+        else:
+            pieces.append(b"]" if messages else b"[]")
+            return
+        del pieces[start:]  # not a plain chat after all: the generic encoder writes it
+        pieces.append(self.encode(messages).encode("utf-8"))
 
 
 # The characters ``ensure_ascii=False`` escapes: the quote, the backslash and the C0 controls. As UTF-8 bytes, which

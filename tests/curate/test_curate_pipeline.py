@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from posttrain.cli import main
 from posttrain.curate.pipeline import curate
-from posttrain.curate.rows import Row
+from posttrain.curate.rows import Row, parse_line
 from posttrain.data.records import SFTExample
 from posttrain.data.writers import json_line
 
@@ -200,7 +200,7 @@ _SCALAR = st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(allo
     intent=st.one_of(st.none(), _ODD_TEXT),
 )  # fmt: skip
 def test_a_kept_line_is_the_json_line_of_the_kept_record(row_id, messages, meta, scores, tier, difficulty, intent):
-    row = Row(4, "in é.jsonl", 5, row_id, messages, meta, scores, tier, difficulty, intent)
+    row = Row(4, 'in é "x".jsonl', 5, row_id, messages, meta, scores, tier, difficulty, intent)
     try:
         expected = json_line(row.output_record()).encode("utf-8")
     except UnicodeEncodeError:  # a lone surrogate: not writable either way
@@ -208,3 +208,34 @@ def test_a_kept_line_is_the_json_line_of_the_kept_record(row_id, messages, meta,
             row.output_line()
     else:
         assert row.output_line() == expected
+
+
+# Texts with and without the characters JSON escapes (the quote, the backslash, controls): a line without any of
+# them has no backslash, and its texts are written back without the escape check (``Row.plain_texts``).
+_TEXT = st.text(st.sampled_from(list('ab é漢"\\\n\t') + ["\U0001f600"]), min_size=1, max_size=6).filter(str.strip)
+_RECORD = st.one_of(
+    st.fixed_dictionaries({"prompt": _TEXT, "response": _TEXT}),
+    st.fixed_dictionaries({"messages": st.tuples(_TEXT, _TEXT).map(
+        lambda pair: [{"role": "user", "content": pair[0]}, {"role": "assistant", "content": pair[1]}])}),
+    st.fixed_dictionaries({"instruction": _TEXT, "input": _TEXT, "output": _TEXT}),  # the prompt is built: "a\n\nb"
+    st.fixed_dictionaries({"conversations": st.tuples(_TEXT, _TEXT).map(
+        lambda pair: [{"from": "human", "value": pair[0]}, {"from": "gpt", "value": pair[1]}])}),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(record=_RECORD, source=_TEXT)
+def test_a_parsed_record_of_any_format_is_written_back_as_its_json_line(record, source):
+    raw = json.dumps(record, ensure_ascii=False).encode("utf-8")
+    row = parse_line(raw, 0, source, 1)
+    assert isinstance(row, Row), row
+    assert row.output_line() == json_line(row.output_record()).encode("utf-8")
+    assert json.loads(row.output_line())["messages"] == row.messages
+
+
+def test_a_prompt_a_conversion_built_is_escaped_though_its_line_had_no_backslash():
+    row = parse_line(b'{"instruction": "Do it", "input": "with this", "output": "done"}', 0, "in.jsonl", 1)
+    assert row.plain_texts == ("done",)  # the record's own string; the prompt was joined from two
+    assert json.loads(row.output_line())["messages"][0]["content"] == "Do it\n\nwith this"
+    row.messages[1]["content"] = 'a "quoted"\nanswer'  # a stage replaced the text: another object, checked
+    assert json.loads(row.output_line())["messages"][1]["content"] == 'a "quoted"\nanswer'
