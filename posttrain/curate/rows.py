@@ -23,7 +23,7 @@ from posttrain.data import formats
 from posttrain.data.formats import FormatError
 from posttrain.data.io import BadLine, parse_json_line
 from posttrain.data.json_text import encode_string
-from posttrain.data.sft_fields import sft_fields
+from posttrain.data.sft_fields import sft_fields_verbatim
 from posttrain.data.writers import LINE_ENCODER, json_line
 
 
@@ -171,22 +171,13 @@ def row_from_record(raw: dict[str, Any], index: int, source: str, line: int, une
     """A decoded JSON object → a ``Row`` (an SFT record in any format the data layer reads), or a ``Drop``.
     ``unescaped``: no string in ``raw`` needs a JSON escape (``records.messages_id``)."""
     try:
-        fields = sft_fields(raw, unescaped=unescaped)
+        fields, verbatim = sft_fields_verbatim(raw, unescaped=unescaped)
     except FormatError as exc:
         return drop_for(exc)
-    plain = _decoded_texts(raw, fields.messages) if unescaped else ()
+    # Texts a conversion built (a blank line joining an Alpaca instruction and input) are not raw's strings.
+    plain = tuple(message["content"] for message in fields.messages) if unescaped and verbatim else ()
     return Row(index, source, line, fields.id, fields.messages, fields.meta, tier=fields.tier,
                difficulty=fields.difficulty, plain_texts=plain)  # fmt: skip
-
-
-def _decoded_texts(raw: dict[str, Any], messages: list[dict[str, str]]) -> tuple[str, ...]:
-    """The message texts that are ``raw``'s own decoded strings (a top-level value, or a ``messages`` entry's
-    content), not texts a format conversion built from them (an Alpaca prompt joins two with a newline)."""
-    own = {id(value) for value in raw.values() if type(value) is str}  # ids compared while raw holds the strings
-    chat = raw.get("messages")
-    if type(chat) is list:
-        own.update(id(item.get("content")) for item in chat if type(item) is dict)
-    return tuple(message["content"] for message in messages if id(message["content"]) in own)
 
 
 def parse_line(raw: bytes, index: int, source: str, line: int) -> Row | tuple[Drop, str]:

@@ -40,12 +40,18 @@ class SFTFields(NamedTuple):
 def sft_fields(raw: Any, fmt: str = "auto", unescaped: bool = False) -> SFTFields:
     """The fields of ``convert(raw, fmt, kind="sft")``'s record; raises its ``FormatError`` for a bad record.
     ``unescaped``: no string in ``raw`` needs a JSON escape (``records.messages_id``)."""
+    return sft_fields_verbatim(raw, fmt, unescaped)[0]
+
+
+def sft_fields_verbatim(raw: Any, fmt: str = "auto", unescaped: bool = False) -> tuple[SFTFields, bool]:
+    """``sft_fields``, and whether the message texts are ``raw``'s own strings, as they were decoded (the usual
+    shape) rather than texts ``convert`` built from them (an Alpaca prompt joins two with a blank line)."""
     fields = _canonical(raw, fmt, unescaped)
     if fields is not None:
-        return fields
+        return fields, True
     record, _ = convert(raw, fmt, kind="sft")
     messages = [dict(m.__dict__) for m in record.messages]  # plain strings: the same dict as model_dump(), faster
-    return SFTFields(messages, record.id, record.tier, record.difficulty, record.meta)
+    return SFTFields(messages, record.id, record.tier, record.difficulty, record.meta), False
 
 
 def _text(value: Any, speaker: bool) -> bool:

@@ -235,7 +235,9 @@ def test_a_parsed_record_of_any_format_is_written_back_as_its_json_line(record, 
 
 def test_a_prompt_a_conversion_built_is_escaped_though_its_line_had_no_backslash():
     row = parse_line(b'{"instruction": "Do it", "input": "with this", "output": "done"}', 0, "in.jsonl", 1)
-    assert row.plain_texts == ("done",)  # the record's own string; the prompt was joined from two
+    assert row.plain_texts == ()  # converted: its prompt was joined from two texts
     assert json.loads(row.output_line())["messages"][0]["content"] == "Do it\n\nwith this"
+    row = parse_line(b'{"prompt": "Do it", "response": "done"}', 0, "in.jsonl", 1)
+    assert row.plain_texts == ("Do it", "done")  # the record's own strings, decoded from a line without escapes
     row.messages[1]["content"] = 'a "quoted"\nanswer'  # a stage replaced the text: another object, checked
     assert json.loads(row.output_line())["messages"][1]["content"] == 'a "quoted"\nanswer'
