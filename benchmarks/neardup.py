@@ -14,8 +14,8 @@ prompt check on).
   decision, in this process) and datasketch 2.0 (``MinHash.update_batch`` + ``MinHashLSH``, the same
   5-word shingles, 112 permutations, threshold 0.7, the same 22 × 5 banding; each document queried
   then inserted) take turns ``--repeats`` times, with ``ours_process`` — the whole ``posttrain curate``
-  process (start-up, reading the records, writing kept and dropped; every other stage off, one worker) —
-  so load from other jobs falls on all three; medians and their ratios are reported, wall and CPU, and the
+  process (start-up, reading the records, writing kept and dropped; every other stage off, one worker; its
+  modules compiled to bytecode first, as an install leaves them) — so load from other jobs falls on all three; medians and their ratios are reported, wall and CPU, and the
   process's clusters must be the in-process stage's. ``datasketch_auto`` runs once with the banding datasketch
   picks for 0.7. Ground truth: exact Jaccard ≥ 0.7 of the 5-word shingle sets, on every pair any
   method reports and every pair inside a planted copy family. ``ours_pool_2`` runs once over a
@@ -96,6 +96,17 @@ def write_records(docs: list[str], path: str) -> None:
             handle.write(json.dumps({"prompt": "Write the passage.", "response": doc}) + "\n")
 
 
+def compile_bytecode() -> None:
+    """posttrain's modules compiled to bytecode, as ``pip install`` leaves them. Where the environment sets
+    ``PYTHONDONTWRITEBYTECODE`` (this VM does), a module edited since its last compile is otherwise compiled
+    again at every start of the timed process (measured: 0.03-0.1 s of ~2 s, depending on the edits)."""
+    import compileall
+
+    import posttrain
+
+    compileall.compile_dir(os.path.dirname(posttrain.__file__), quiet=1)
+
+
 def run_process(records: str, workers: int, scratch: str) -> tuple[set[frozenset[int]], tuple[float, float]]:
     """The whole ``posttrain curate`` process with only near-dup on (``near_dedup.fields=response``, the stage's
     other defaults): start-up, reading, the stage, writing. Wall and the child's CPU seconds, and the clusters
@@ -158,6 +169,7 @@ def long_texts(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as scratch:
         records = os.path.join(scratch, "records.jsonl")
         write_records(docs, records)
+        compile_bytecode()
         for _ in range(args.repeats):  # turns: other jobs' load falls on all three alike
             runs["ours"].append(run_ours(docs, 0, scratch))
             runs["process"].append(run_process(records, 0, scratch))
