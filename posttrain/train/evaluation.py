@@ -45,7 +45,8 @@ def sharded_sums(
     """``Σ measure(chunk)`` over every chunk of ``units``, computed across ranks; the same on every rank.
 
     ``measure(model, chunk)`` returns a 1-D tensor of sums (its length must not depend on the chunk). The
-    model is in eval mode during the pass and back in train mode after it.
+    model is in eval mode during the pass and back in train mode after it, and the measure runs without
+    autograd: a held-out forward that built a graph kept every activation of the chunk alive for nothing.
     """
     if not units:
         raise ValueError("sharded_sums needs at least one unit")
@@ -58,7 +59,8 @@ def sharded_sums(
             start = (index * world + rank) * batch_size
             chunk = list(units[start : start + batch_size])
             weight = 1.0 if chunk else 0.0
-            sums = measure(model, chunk or [units[0]]).detach().to("cpu", torch.float64) * weight
+            with torch.no_grad():
+                sums = measure(model, chunk or [units[0]]).to("cpu", torch.float64) * weight
             total = sums if total is None else total + sums
     finally:
         model.train(was_training)
