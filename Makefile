@@ -54,7 +54,7 @@ promtool:
 # Two pytest workers (CI has 2 cores; every test process runs torch on one thread, tests/conftest.py). loadgroup keeps
 # the tests of one xdist_group (those sharing one vLLM engine) on one worker; the others are dealt out as usual.
 test: $(BIN)/.installed $(VLLM_VENV)/.installed chromium bubblewrap promtool postgresql
-	$(BIN)/python -m pytest -q -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=30 tests
 
 lint: $(BIN)/.installed
 	$(BIN)/ruff check posttrain tests benchmarks
