@@ -1,6 +1,6 @@
 """An SFT record's fields as plain data, for readers that never use the pydantic model (curation).
 
-``sft_fields(raw, fmt)`` is ``posttrain.data.formats.convert(raw, fmt, kind="sft")`` without building the
+``sft_fields(raw, fmt)[0]`` is ``posttrain.data.formats.convert(raw, fmt, kind="sft")`` without building the
 ``SFTExample``: the same records are accepted, with the same messages, id, tier, difficulty and meta, and every
 other record raises the same ``FormatError``, because anything out of the ordinary goes through ``convert``.
 
@@ -37,15 +37,11 @@ class SFTFields(NamedTuple):
     meta: dict[str, Any]
 
 
-def sft_fields(raw: Any, fmt: str = "auto", unescaped: bool = False) -> SFTFields:
-    """The fields of ``convert(raw, fmt, kind="sft")``'s record; raises its ``FormatError`` for a bad record.
+def sft_fields(raw: Any, fmt: str = "auto", unescaped: bool = False) -> tuple[SFTFields, bool]:
+    """The fields of ``convert(raw, fmt, kind="sft")``'s record, and whether its message texts are ``raw``'s own
+    strings as they were decoded (the usual shape, ``_canonical``) rather than texts ``convert`` built from them
+    (an Alpaca prompt joins two with a blank line). Raises ``convert``'s ``FormatError`` for a bad record.
     ``unescaped``: no string in ``raw`` needs a JSON escape (``records.messages_id``)."""
-    return sft_fields_verbatim(raw, fmt, unescaped)[0]
-
-
-def sft_fields_verbatim(raw: Any, fmt: str = "auto", unescaped: bool = False) -> tuple[SFTFields, bool]:
-    """``sft_fields``, and whether the message texts are ``raw``'s own strings, as they were decoded (the usual
-    shape) rather than texts ``convert`` built from them (an Alpaca prompt joins two with a blank line)."""
     fields = _canonical(raw, fmt, unescaped)
     if fields is not None:
         return fields, True

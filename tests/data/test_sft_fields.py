@@ -17,7 +17,12 @@ from hypothesis import strategies as st
 from posttrain.data.formats import FormatError, convert
 from posttrain.data.json_text import TextEncoder, encode_string
 from posttrain.data.records import messages_id, stable_id
-from posttrain.data.sft_fields import SFTFields, _canonical, sft_fields
+from posttrain.data.sft_fields import SFTFields, _canonical
+from posttrain.data.sft_fields import sft_fields as sft_fields_and_verbatim
+
+
+def sft_fields(raw, fmt: str = "auto") -> SFTFields:
+    return sft_fields_and_verbatim(raw, fmt)[0]
 
 
 def _convert_fields(raw, fmt: str = "auto") -> SFTFields:
@@ -123,6 +128,17 @@ def test_records_in_the_usual_shape_take_the_shortcut_and_get_convert_s_fields(r
     assert _canonical(raw, "auto") is not None
     ours, theirs = _both(raw)
     assert ours == theirs
+
+
+def test_only_the_shortcut_s_texts_are_called_the_record_s_own():
+    for raw in CANONICAL:
+        fields, verbatim = sft_fields_and_verbatim(raw)
+        own = [m["content"] for m in raw["messages"]] if "messages" in raw else list(raw.values())
+        assert verbatim and all(any(m["content"] is text for text in own) for m in fields.messages), raw
+    for raw in ({"instruction": "Do it", "input": "with this", "output": "done"},
+                {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}):
+        fields, verbatim = sft_fields_and_verbatim(raw)
+        assert not verbatim and fields.messages[-1]["role"] == "assistant"
 
 
 @pytest.mark.parametrize("raw", DEFERRED, ids=range(len(DEFERRED)))
